@@ -1,0 +1,84 @@
+"""Fixtures shared by every test folder: real servers on loopback, started and ended here."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+class S3Server:
+    """A real S3 HTTP server (moto_server) on loopback; credentials are dummies it accepts."""
+
+    access_key = "testing-access-key"
+    secret_key = "testing-secret-key"
+    region = "us-east-1"
+
+    def __init__(self, port: int, proc: subprocess.Popen):
+        self.port = port
+        self.proc = proc
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+        )
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_ENDPOINT_URL_S3": self.endpoint,
+        }
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "w")
+    moto = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"},
+    )
+    try:
+        wait_for_port(port, proc=proc)
+        yield S3Server(port, proc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()

@@ -82,3 +82,59 @@ def s3_server(tmp_path_factory):
         proc.terminate()
         proc.wait(timeout=10)
         log.close()
+
+
+# ---------------------------------------------------------------- the real test cluster
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory):
+    """etcd + kube-apiserver + kube-controller-manager on loopback, for the whole session.
+
+    Binaries: KUBEBUILDER_ASSETS, else the cache filled by hack/build-kube-binaries.sh
+    (`make test` runs it). Sets KUBECONFIG for code under test that reads it.
+    """
+    from asyncgrpo.testing.cluster import TestCluster
+
+    cluster = TestCluster(tmp_path_factory.mktemp("kube"))
+    cluster.start()
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old
+
+
+@pytest.fixture(scope="session")
+def kube_client(kube_cluster):
+    """A kubernetes ApiClient for the test cluster (admin)."""
+    import warnings
+
+    import urllib3
+    from kubernetes import client, config
+
+    warnings.filterwarnings("ignore", category=urllib3.exceptions.InsecureRequestWarning)
+    urllib3.disable_warnings()
+    return config.new_client_from_config(config_file=str(kube_cluster.kubeconfig))
+
+
+@pytest.fixture(scope="session")
+def kube_dynamic(kube_client):
+    """The dynamic client: sends objects as plain dicts (the typed client drops some fields)."""
+    from kubernetes import dynamic
+
+    return dynamic.DynamicClient(kube_client)
+
+
+@pytest.fixture(scope="session")
+def crd_installed(kube_dynamic):
+    """The AsyncGRPORun CRD from crds/, installed and Established."""
+    from asyncgrpo.testing.kube import install_crd
+
+    install_crd(kube_dynamic, REPO / "crds" / "asyncgrpo.dev_asyncgrporuns.yaml")
+    return kube_dynamic.resources.get(api_version="asyncgrpo.dev/v1alpha1", kind="AsyncGRPORun")

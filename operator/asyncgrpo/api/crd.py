@@ -1,0 +1,174 @@
+"""The CustomResourceDefinition, generated from the pydantic model (never hand-edited).
+
+pydantic writes JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3 schema: no
+$ref, no anyOf for optional fields, boolean exclusive bounds, int-or-string quantities, and
+`x-kubernetes-preserve-unknown-fields` only where the model is free-form. This module does
+that translation, so the API server enforces every single-field rule of `asyncgrpo.api`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from asyncgrpo import API_GROUP, API_VERSION, KIND
+from asyncgrpo.api.v1alpha1 import AsyncGRPORunSpec, AsyncGRPORunStatus
+
+PLURAL = "asyncgrporuns"
+SINGULAR = "asyncgrporun"
+SHORT_NAMES = ["agr", "grporun"]
+CRD_NAME = f"{PLURAL}.{API_GROUP}"
+
+_DROP = {"title", "$defs", "additionalProperties"}
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_resolve(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].split("/")[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _resolve(merged, defs)
+    return {k: _resolve(v, defs) for k, v in node.items()}
+
+
+def _structural(node: dict[str, Any]) -> dict[str, Any]:
+    """Translate one resolved JSON Schema node into a structural OpenAPI v3 node.
+
+    Sections (objects) get no `default: {}`: several have defaults that only the model knows
+    (default factories), and an empty section written by the API server would hide them. The
+    operator always reads runs through the model, which fills every default.
+    """
+    node = dict(node)
+    # Optional[X] is anyOf [X, null]: the field is simply optional in Kubernetes.
+    if "anyOf" in node:
+        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+        if node.pop("x-kubernetes-int-or-string", False) or {o.get("type") for o in options} == {
+            "integer", "string"
+        }:
+            node["x-kubernetes-int-or-string"] = True
+        elif len(options) == 1:
+            inner = _structural(options[0])
+            node = {**inner, **{k: v for k, v in node.items() if k not in ("default",)},
+                    **({"default": node["default"]} if node.get("default") is not None else {})}
+        else:
+            raise ValueError(f"cannot express anyOf {options} structurally")
+    if node.get("default", "absent") is None:
+        del node["default"]
+    for key in ("exclusiveMinimum", "exclusiveMaximum"):
+        if key in node and not isinstance(node[key], bool):
+            bound = "minimum" if key == "exclusiveMinimum" else "maximum"
+            node[bound] = node[key]
+            node[key] = True
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    if "enum" in node and "type" not in node:
+        node["type"] = "integer" if all(isinstance(v, int) for v in node["enum"]) else "string"
+
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k in _DROP:
+            continue
+        if k == "properties":
+            out[k] = {name: _structural(prop) for name, prop in v.items()}
+        elif k == "items":
+            out[k] = _structural(v)
+        else:
+            out[k] = v
+
+    if node.get("type") == "object" and "properties" not in node:
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict) and extra:
+            out["additionalProperties"] = _structural(extra)
+        else:  # dict[str, Any]: free-form by design
+            out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def _schema_of(model: type) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    resolved = _resolve(raw, raw.get("$defs", {}))
+    return _structural(resolved)
+
+
+def _without_defaults(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_defaults(v) for k, v in node.items() if k != "default"}
+    if isinstance(node, list):
+        return [_without_defaults(v) for v in node]
+    return node
+
+
+def openapi_schema() -> dict[str, Any]:
+    spec = _schema_of(AsyncGRPORunSpec)
+    # Only the operator writes status, always through the model: defaults there are noise.
+    status = _without_defaults(_schema_of(AsyncGRPORunStatus))
+    return {
+        "type": "object",
+        "description": "An asynchronous GRPO training run.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+    {"name": "Policy", "type": "integer", "jsonPath": ".status.policyVersion",
+     "description": "Newest adapter version published"},
+    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.throughput.rawTokensPerSecond"},
+    {"name": "Sandboxes", "type": "integer", "jsonPath": ".status.sandboxes.warm",
+     "description": "Sandboxes ready and idle"},
+    {"name": "Busy", "type": "integer", "jsonPath": ".status.sandboxes.busy",
+     "description": "Sandboxes leased to rollouts"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def crd() -> dict[str, Any]:
+    """The CRD object (apiextensions.k8s.io/v1)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {"app.kubernetes.io/name": "asyncgrpo",
+                       "app.kubernetes.io/part-of": "asyncgrpo"},
+        },
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["asyncgrpo"],
+            },
+            "versions": [
+                {
+                    "name": API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `asyncgrpo crd` from asyncgrpo.api; do not edit.\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=100)

@@ -1,0 +1,475 @@
+"""The AsyncGRPORun resource, version v1alpha1: the one model every component reads.
+
+The CRD's OpenAPI schema is generated from these classes (`asyncgrpo.api.crd`), the operator
+builds children from them, the trainer and the local backend load their config through them.
+Field descriptions become `kubectl explain` text, so they are written for users.
+
+Single-field rules (types, enums, bounds, patterns, required) live in the field definitions,
+so the API server enforces them through the schema. Rules that relate fields to each other
+live in `asyncgrpo.api.validation`, which reports each with the path of the field to fix.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from asyncgrpo import API_GROUP, API_VERSION, KIND
+
+#: A Kubernetes resource quantity: "500m", "16Gi", 2.
+Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+
+#: Names of the reward functions the trainer ships (`asyncgrpo.trainer.rewards`);
+#: `python` loads a user function named by `module`.
+BUILTIN_REWARDS = ("exact_match", "regex_match", "numeric_match", "sandbox_tests", "python")
+
+#: Ranks vLLM accepts for --max-lora-rank.
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+BUCKET_NAME = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
+
+
+class Model(BaseModel):
+    """Base of every API object: camelCase on the wire, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+    )
+
+
+# ---------------------------------------------------------------- shared small types
+
+
+class ResourceRequirements(Model):
+    """Compute resources of one container, as in a Pod spec."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="Maximum resources. GPUs go here too (nvidia.com/gpu), set by the operator "
+        "from gpusPerReplica unless given.",
+    )
+
+
+class EnvVar(Model):
+    """An environment variable for the container (plain value or valueFrom, as in a Pod spec)."""
+
+    name: str = Field(min_length=1, description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        description="Source of the value (secretKeyRef, configMapKeyRef, fieldRef), as in a Pod.",
+    )
+
+
+class SecretKeyRef(Model):
+    """Keys of a Secret in the run's namespace."""
+
+    name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Secret name.")
+    access_key_id_key: str = Field(
+        default="AWS_ACCESS_KEY_ID", description="Key holding the access key id."
+    )
+    secret_access_key_key: str = Field(
+        default="AWS_SECRET_ACCESS_KEY", description="Key holding the secret access key."
+    )
+
+
+# ---------------------------------------------------------------- model
+
+
+class LoraSpec(Model):
+    """LoRA adapter trained on top of the frozen base model (peft)."""
+
+    rank: int = Field(default=16, ge=1, le=512, description="Adapter rank r.")
+    alpha: int = Field(default=32, ge=1, description="Scaling alpha (scale = alpha / rank).")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Module names to adapt, or ['all-linear'].",
+    )
+
+
+class ModelSpec(Model):
+    """The policy's base model and how it is fine-tuned."""
+
+    name: str = Field(
+        min_length=1,
+        description="Base model: a Hugging Face repo id the images can read, or a path in them.",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="Parameter and compute dtype."
+    )
+    moe: bool = Field(
+        default=False,
+        description="Mixture-of-experts model (Qwen3-MoE class); required for expert parallel.",
+    )
+    attention: Literal["auto", "tree-flex", "tree-sdpa"] = Field(
+        default="auto",
+        description="Tree attention path: tree-flex (FlexAttention, CUDA), tree-sdpa (exact "
+        "per-tree SDPA, any device), auto (flex on CUDA, sdpa elsewhere).",
+    )
+    finetuning: Literal["lora", "full"] = Field(
+        default="lora",
+        description="lora: train an adapter, served from the bucket by name. full: train all "
+        "weights, synced to vLLM with TRL's weight transfer.",
+    )
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings (finetuning=lora).")
+
+
+# ---------------------------------------------------------------- trainer
+
+
+class TrainerSpec(Model):
+    """The trainer: a StatefulSet of torchrun nodes running TRL's AsyncGRPOTrainer."""
+
+    image: str = Field(default="ghcr.io/asyncgrpo/trainer:0.1.0", min_length=1,
+                       description="Trainer image.")
+    replicas: int = Field(default=1, ge=1, le=1024, description="Nodes (pods) of the trainer.")
+    gpus_per_replica: int = Field(
+        default=1, ge=0, le=16,
+        description="GPUs per node; one process per GPU. 0 runs one CPU process per node.",
+    )
+    fsdp_size: int | None = Field(
+        default=None, ge=1,
+        description="Ranks each FSDP2 shard group spans; must divide the world size. "
+        "Default: the world size (fully sharded, no replication).",
+    )
+    expert_parallel_size: int = Field(
+        default=1, ge=1,
+        description="Ranks experts are spread over (MoE only); must divide fsdpSize.",
+    )
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
+                                            description="Resources of each trainer pod.")
+    learning_rate: float = Field(default=1e-5, gt=0, le=1, description="Peak learning rate.")
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = Field(
+        default="constant", description="Learning-rate schedule (transformers' names)."
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    num_generations: int = Field(
+        default=8, ge=2, le=1024,
+        description="G: rollouts sampled per prompt; advantages are normalized within a group.",
+    )
+    prompts_per_step: int = Field(default=8, ge=1, description="Prompt groups per optimizer step.")
+    token_budget_per_rank: int = Field(
+        default=16384, ge=64,
+        description="Forwarded (unique) tokens per micro-batch per rank after tree packing; "
+        "must hold the longest rollout (rollout.maxModelLen).",
+    )
+    gradient_accumulation_steps: int = Field(
+        default=1, ge=1, description="Micro-batches accumulated per optimizer step per rank."
+    )
+    max_staleness: int = Field(
+        default=4, ge=0,
+        description="Drop samples generated by a policy more than this many versions old.",
+    )
+    clip_epsilon: float = Field(default=0.2, gt=0, lt=1, description="PPO ratio clip epsilon.")
+    beta: float = Field(default=0.0, ge=0, description="KL coefficient to the base model.")
+    total_steps: int = Field(default=1000, ge=1, description="Optimizer steps to train.")
+    checkpoint_interval: int = Field(
+        default=50, ge=1, description="Steps between checkpoints written to the bucket."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed for data order and initialization.")
+    metrics_port: int = Field(default=9400, ge=1024, le=65535,
+                              description="Port of the trainer's Prometheus endpoint.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+
+
+# ---------------------------------------------------------------- rollout (vLLM)
+
+
+class SamplingSpec(Model):
+    """Sampling parameters of rollouts."""
+
+    temperature: float = Field(default=1.0, ge=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_completion_tokens: int = Field(
+        default=1024, ge=1, description="Tokens generated per turn at most."
+    )
+
+
+class RolloutSpec(Model):
+    """The vLLM servers that sample rollouts from the current policy."""
+
+    image: str = Field(default="ghcr.io/asyncgrpo/vllm:0.1.0", min_length=1,
+                       description="vLLM image carrying the asyncgrpo LoRA resolver plugin.")
+    replicas: int = Field(default=1, ge=1, le=1024, description="vLLM server replicas.")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=16, description="GPUs per vLLM replica (--tensor-parallel-size)."
+    )
+    max_loras: int = Field(
+        default=4, ge=1, le=64,
+        description="Adapters a replica holds at once (--max-loras); policy versions in flight.",
+    )
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        default=64, description="--max-lora-rank; must be >= model.lora.rank."
+    )
+    max_model_len: int = Field(
+        default=4096, ge=16, description="Longest sequence (prompt + all turns) a rollout may reach."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may take."
+    )
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
+                                            description="Resources of each vLLM pod.")
+    extra_args: list[str] = Field(default_factory=list,
+                                  description="Extra vLLM server arguments, appended as given.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+
+
+# ---------------------------------------------------------------- sandboxes
+
+
+class SandboxNetworkSpec(Model):
+    """Egress of sandbox pods. Everything not listed is denied; ingress only from the gateway."""
+
+    allowed_egress_cidrs: list[str] = Field(
+        default_factory=list, description="CIDRs sandboxes may reach, e.g. a package mirror."
+    )
+    allowed_egress_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names sandboxes may reach; resolved by the operator to /32 (or /128) "
+        "blocks at each reconcile, and DNS egress to kube-dns is opened for them.",
+    )
+
+
+class SandboxSpec(Model):
+    """Pool of sandbox pods where multi-turn rollouts run their tool calls."""
+
+    image: str = Field(default="ghcr.io/asyncgrpo/sandbox:0.1.0", min_length=1,
+                       description="Sandbox image (runs the asyncgrpo sandbox server).")
+    min_warm: int = Field(default=2, ge=0, description="Idle sandboxes kept ready at least.")
+    max: int = Field(default=16, ge=0, description="Most sandboxes the scaler asks for.")
+    hard_cap: int = Field(default=256, ge=1, description="Never more sandbox pods than this.")
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements(
+            requests={"cpu": "250m", "memory": "512Mi"}, limits={"cpu": 1, "memory": "1Gi"}
+        ),
+        description="Resources of each sandbox pod.",
+    )
+    runtime_class_name: str | None = Field(
+        default=None, description="RuntimeClass for stronger isolation, e.g. gvisor or kata."
+    )
+    idle_ttl_seconds: int = Field(
+        default=600, ge=0, description="Delete sandboxes idle longer than this above minWarm."
+    )
+    exec_timeout_seconds: int = Field(
+        default=60, ge=1, le=3600, description="Default timeout of one command in a sandbox."
+    )
+    network: SandboxNetworkSpec = Field(default_factory=SandboxNetworkSpec,
+                                        description="Sandbox egress allow-list.")
+
+
+# ---------------------------------------------------------------- adapter store
+
+
+class AdapterStoreSpec(Model):
+    """S3-compatible bucket holding adapters (per policy version), checkpoints and data."""
+
+    endpoint: str | None = Field(
+        default=None, pattern=r"^https?://",
+        description="S3 endpoint URL (MinIO, Ceph, GCS interop...); empty for AWS S3.",
+    )
+    bucket: str = Field(pattern=BUCKET_NAME, description="Bucket name.")
+    prefix: str = Field(default="asyncgrpo", pattern=r"^[A-Za-z0-9._/-]*$",
+                        description="Key prefix; the run writes under <prefix>/<run name>/.")
+    region: str = Field(default="us-east-1", min_length=1, description="Bucket region.")
+    credentials_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret with S3 credentials; empty uses the pods' ambient identity (IRSA...).",
+    )
+    create_bucket: bool = Field(default=True, description="Create the bucket if it is missing.")
+    retention: int = Field(
+        default=8, ge=1,
+        description="Newest adapter versions kept; never fewer than trainer.maxStaleness + 2.",
+    )
+    deletion_policy: Literal["Retain", "Delete"] = Field(
+        default="Retain",
+        description="On run deletion: Retain keeps the run's objects, Delete removes them.",
+    )
+
+
+# ---------------------------------------------------------------- data, reward, harness
+
+
+class ConfigMapKeyRef(Model):
+    """A key of a ConfigMap in the run's namespace."""
+
+    name: str = Field(min_length=1, description="ConfigMap name.")
+    key: str = Field(default="prompts.jsonl", min_length=1, description="Key holding the data.")
+
+
+class DataSpec(Model):
+    """Prompt data set: JSON Lines, one prompt per line. Give exactly one source."""
+
+    bucket_path: str | None = Field(
+        default=None, min_length=1, description="Object key in the adapter store's bucket."
+    )
+    config_map: ConfigMapKeyRef | None = Field(default=None, description="A ConfigMap key.")
+    path: str | None = Field(
+        default=None, min_length=1, description="A path inside the trainer image (or locally)."
+    )
+    prompt_field: str = Field(default="prompt", min_length=1,
+                              description="Field holding the prompt (string or chat messages).")
+    shuffle: bool = Field(default=True, description="Shuffle prompts each epoch (seeded).")
+
+
+class RewardFunction(Model):
+    """One reward term; the reward of a rollout is the weighted sum of its terms."""
+
+    name: Literal["exact_match", "regex_match", "numeric_match", "sandbox_tests", "python"] = Field(
+        description="Built-in reward, or python for a user function named by module."
+    )
+    weight: float = Field(default=1.0, description="Weight of this term.")
+    module: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="For name=python: 'package.module:function' importable in the trainer image.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the function (free-form)."
+    )
+
+
+class RewardSpec(Model):
+    """How rollouts are scored."""
+
+    functions: list[RewardFunction] = Field(min_length=1, description="Reward terms.")
+
+
+class HarnessSpec(Model):
+    """How a rollout is played: one completion, or a multi-turn episode with tools."""
+
+    type: Literal["single-turn", "multi-turn"] = Field(default="single-turn",
+                                                       description="Rollout harness.")
+    max_turns: int = Field(default=1, ge=1, le=256, description="Assistant turns per episode.")
+    tools: list[Literal["shell", "python", "read_file", "write_file"]] = Field(
+        default_factory=list, description="Tools offered to the model (multi-turn, in sandboxes)."
+    )
+
+
+# ---------------------------------------------------------------- the run
+
+
+class AsyncGRPORunSpec(Model):
+    """Desired state of an asynchronous GRPO training run."""
+
+    model: ModelSpec = Field(description="Base model and fine-tuning mode.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Trainer settings.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="vLLM rollout servers.")
+    sandboxes: SandboxSpec | None = Field(
+        default=None, description="Sandbox pool for tool calls; needed by multi-turn tools."
+    )
+    adapter_store: AdapterStoreSpec = Field(description="S3-compatible bucket of the run.")
+    data: DataSpec = Field(description="Prompt data set.")
+    reward: RewardSpec = Field(description="Reward functions.")
+    harness: HarnessSpec = Field(default_factory=HarnessSpec, description="Rollout harness.")
+    suspend: bool = Field(
+        default=False,
+        description="Scale every workload to zero, keeping the bucket; resume continues from "
+        "the newest checkpoint.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0,
+        description="Delete the run this long after it Succeeded or Failed.",
+    )
+
+
+class Condition(Model):
+    """A Kubernetes-style condition (metav1.Condition)."""
+
+    type: str = Field(description="Condition type, e.g. TrainerReady.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", description="CamelCase reason a program can act on.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: datetime | None = Field(default=None,
+                                                  description="When status last changed.")
+    observed_generation: int | None = Field(default=None,
+                                            description="Generation the condition was set for.")
+
+
+class AdapterVersionsLoaded(Model):
+    """Policy versions one vLLM replica currently serves."""
+
+    replica: str = Field(description="vLLM pod name.")
+    versions: list[int] = Field(default_factory=list, description="Loaded policy versions.")
+
+
+class ThroughputStatus(Model):
+    """Training throughput, mirrored from the trainer's metrics."""
+
+    raw_tokens_per_second: float = Field(default=0.0, description="Rollout tokens trained per s.")
+    unique_tokens_per_second: float = Field(default=0.0,
+                                            description="Tokens actually forwarded per s.")
+    tree_compression_ratio: float = Field(default=1.0, description="Raw / forwarded tokens.")
+
+
+class SandboxStatus(Model):
+    """Sandbox pool counts."""
+
+    warm: int = Field(default=0, description="Ready and idle.")
+    busy: int = Field(default=0, description="Leased to a rollout group.")
+    starting: int = Field(default=0, description="Created, not ready yet.")
+    failed: int = Field(default=0, description="Failed or unschedulable.")
+    spawned_total: int = Field(default=0, description="Sandbox pods created over the run.")
+
+
+class AsyncGRPORunStatus(Model):
+    """Observed state of the run, written by the operator."""
+
+    phase: Literal["Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed"] = Field(
+        default="Pending", description="Lifecycle phase."
+    )
+    conditions: list[Condition] = Field(default_factory=list, description="Conditions.")
+    observed_generation: int | None = Field(default=None,
+                                            description="Generation last reconciled.")
+    step: int = Field(default=0, description="Optimizer steps done.")
+    policy_version: int = Field(default=0, description="Newest adapter version published.")
+    adapter_versions: list[AdapterVersionsLoaded] = Field(
+        default_factory=list, description="Versions loaded per vLLM replica."
+    )
+    throughput: ThroughputStatus = Field(default_factory=ThroughputStatus,
+                                         description="Throughput.")
+    sandboxes: SandboxStatus = Field(default_factory=SandboxStatus, description="Sandbox counts.")
+    start_time: datetime | None = Field(default=None, description="When training started.")
+    completion_time: datetime | None = Field(default=None, description="When the run finished.")
+
+
+class ObjectMeta(Model):
+    """The part of metadata the model reads; the rest is kept as given."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+
+    name: str = Field(default="run", pattern=DNS_LABEL, max_length=50,
+                      description="Run name; children are named after it.")
+    namespace: str | None = Field(default=None, description="Namespace.")
+
+
+class AsyncGRPORun(Model):
+    """An asynchronous GRPO training run."""
+
+    api_version: Literal["asyncgrpo.dev/v1alpha1"] = Field(
+        default=f"{API_GROUP}/{API_VERSION}", description="asyncgrpo.dev/v1alpha1."
+    )
+    kind: Literal["AsyncGRPORun"] = Field(default=KIND, description="AsyncGRPORun.")
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta, description="Object metadata.")
+    spec: AsyncGRPORunSpec = Field(description="Desired state.")
+    status: AsyncGRPORunStatus | None = Field(default=None, description="Observed state.")
+
+    @property
+    def world_size(self) -> int:
+        """Trainer processes: one per GPU, or one per node on CPU."""
+        t = self.spec.trainer
+        return t.replicas * max(t.gpus_per_replica, 1)

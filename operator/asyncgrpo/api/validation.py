@@ -1,0 +1,200 @@
+"""Checking run files: schema errors and cross-field rules, each reported with its field path.
+
+The API server enforces the single-field rules through the CRD schema. The rules here relate
+fields to each other (world size and parallel sizes, LoRA rank and vLLM's max rank...), which a
+Kubernetes 1.20 schema cannot express; `asyncgrpo validate`, the operator's admission check and
+the operator's reconcile all call `validate_run`, so a bad run is refused at the earliest layer
+and later layers report the same message.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from asyncgrpo import API_GROUP, KIND
+from asyncgrpo.api.v1alpha1 import DNS_LABEL, AsyncGRPORun
+
+#: Children append up to 13 characters ("-sandbox-" + 4) to the run name; keep them DNS labels.
+MAX_RUN_NAME = 50
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One problem with a run, at a dotted field path such as `spec.trainer.fsdpSize`."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class RunValidationError(ValueError):
+    """A run that cannot be reconciled; carries every problem found."""
+
+    def __init__(self, errors: list[FieldError]):
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors))
+
+
+def _path_of(loc: Iterable[Any], data: Any) -> str:
+    """Render a pydantic error location as the user's field path.
+
+    pydantic adds union and literal tags ('int', 'literal[...]') to locations; walking the
+    input keeps only the segments the user actually wrote.
+    """
+    path = ""
+    node = data
+    for seg in loc:
+        if isinstance(seg, int) and isinstance(node, list) and 0 <= seg < len(node):
+            path += f"[{seg}]"
+            node = node[seg]
+        elif isinstance(seg, str) and isinstance(node, dict):
+            path += f".{seg}" if path else seg
+            node = node.get(seg)
+        else:
+            break
+    return path or "<root>"
+
+
+def schema_errors(err: ValidationError, data: Any) -> list[FieldError]:
+    out = []
+    for e in err.errors():
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
+            msg = f"{msg} (got {e['input']!r})"
+        out.append(FieldError(_path_of(e["loc"], data), msg))
+    return out
+
+
+def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
+    """Rules between fields. Each message says what to change."""
+    s = run.spec
+    t, r, m = s.trainer, s.rollout, s.model
+    errors: list[FieldError] = []
+
+    def err(path: str, message: str) -> None:
+        errors.append(FieldError(path, message))
+
+    name = run.metadata.name
+    if len(name) > MAX_RUN_NAME or not re.match(DNS_LABEL, name):
+        err("metadata.name", f"must be a DNS label of at most {MAX_RUN_NAME} characters "
+            f"(children append suffixes), got {name!r}")
+
+    world = run.world_size
+    fsdp = t.fsdp_size or world
+    if world % fsdp:
+        err("spec.trainer.fsdpSize", f"{fsdp} must divide the world size {world} "
+            f"(replicas {t.replicas} x {max(t.gpus_per_replica, 1)} processes per replica)")
+    if t.expert_parallel_size > 1:
+        if not m.moe:
+            err("spec.trainer.expertParallelSize", "expert parallel needs a mixture-of-experts "
+                "model: set spec.model.moe: true or expertParallelSize: 1")
+        if fsdp % t.expert_parallel_size:
+            err("spec.trainer.expertParallelSize", f"{t.expert_parallel_size} must divide "
+                f"fsdpSize {fsdp} (experts are spread inside each shard group)")
+    if m.finetuning == "lora" and m.lora.rank > r.max_lora_rank:
+        err("spec.model.lora.rank", f"rank {m.lora.rank} is above spec.rollout.maxLoraRank "
+            f"{r.max_lora_rank}: vLLM would refuse the adapter")
+    if m.attention == "tree-flex" and t.gpus_per_replica == 0:
+        err("spec.model.attention", "tree-flex needs GPUs (FlexAttention has no CPU backward): "
+            "use tree-sdpa or auto with gpusPerReplica: 0")
+    if r.sampling.max_completion_tokens >= r.max_model_len:
+        err("spec.rollout.sampling.maxCompletionTokens", f"{r.sampling.max_completion_tokens} "
+            f"leaves no room for a prompt in maxModelLen {r.max_model_len}")
+    if t.token_budget_per_rank < r.max_model_len:
+        err("spec.trainer.tokenBudgetPerRank", f"{t.token_budget_per_rank} is below "
+            f"spec.rollout.maxModelLen {r.max_model_len}: the longest rollout must fit one "
+            "micro-batch (rollouts are never dropped silently)")
+    if s.adapter_store.retention < t.max_staleness + 2:
+        err("spec.adapterStore.retention", f"{s.adapter_store.retention} must be at least "
+            f"trainer.maxStaleness + 2 = {t.max_staleness + 2}: in-flight rollouts may still "
+            "name those versions")
+
+    sources = [k for k in ("bucket_path", "config_map", "path") if getattr(s.data, k) is not None]
+    if len(sources) != 1:
+        err("spec.data", "give exactly one of bucketPath, configMap, path "
+            f"(got {len(sources) or 'none'})")
+
+    for i, fn in enumerate(s.reward.functions):
+        at = f"spec.reward.functions[{i}]"
+        if fn.name == "python" and not fn.module:
+            err(f"{at}.module", "name: python needs module: 'package.module:function'")
+        if fn.name != "python" and fn.module:
+            err(f"{at}.module", f"module is only read with name: python (name is {fn.name})")
+        if fn.name == "sandbox_tests" and s.sandboxes is None:
+            err(f"{at}.name", "sandbox_tests runs tests in a sandbox: add spec.sandboxes")
+        if fn.name == "regex_match" and "pattern" not in fn.args:
+            err(f"{at}.args", "regex_match needs args.pattern")
+        if "pattern" in fn.args:
+            try:
+                re.compile(str(fn.args["pattern"]))
+            except re.error as e:
+                err(f"{at}.args.pattern", f"not a valid regular expression: {e}")
+
+    h = s.harness
+    if h.type == "single-turn" and h.max_turns != 1:
+        err("spec.harness.maxTurns", "single-turn rollouts have exactly one turn")
+    if h.tools and h.type != "multi-turn":
+        err("spec.harness.tools", "tools need harness.type: multi-turn")
+    if h.tools and s.sandboxes is None:
+        err("spec.sandboxes", "tools run in sandboxes: add spec.sandboxes")
+
+    if s.sandboxes is not None:
+        sb = s.sandboxes
+        if sb.min_warm > sb.max:
+            err("spec.sandboxes.minWarm", f"{sb.min_warm} is above max {sb.max}")
+        if sb.max > sb.hard_cap:
+            err("spec.sandboxes.max", f"{sb.max} is above hardCap {sb.hard_cap}")
+        for i, cidr in enumerate(sb.network.allowed_egress_cidrs):
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                err(f"spec.sandboxes.network.allowedEgressCidrs[{i}]", f"not a CIDR: {cidr!r}")
+    return errors
+
+
+def validate_run(doc: dict[str, Any]) -> tuple[AsyncGRPORun | None, list[FieldError]]:
+    """Parse and check one run document; returns the run (if it parsed) and every error."""
+    if not isinstance(doc, dict):
+        return None, [FieldError("<root>", f"expected a mapping, got {type(doc).__name__}")]
+    try:
+        run = AsyncGRPORun.model_validate(doc)
+    except ValidationError as e:
+        return None, schema_errors(e, doc)
+    return run, semantic_errors(run)
+
+
+def parse_run(doc: dict[str, Any]) -> AsyncGRPORun:
+    """The run, or RunValidationError with every problem."""
+    run, errors = validate_run(doc)
+    if errors:
+        raise RunValidationError(errors)
+    assert run is not None
+    return run
+
+
+def load_run(path: str | Path) -> AsyncGRPORun:
+    """Read the single AsyncGRPORun in a YAML file (as the trainer and local backend do)."""
+    runs = [d for d in yaml.safe_load_all(Path(path).read_text()) if is_run(d)]
+    if len(runs) != 1:
+        raise RunValidationError([FieldError("<file>", f"{path}: expected one {KIND}, "
+                                             f"found {len(runs)}")])
+    return parse_run(runs[0])
+
+
+def is_run(doc: Any) -> bool:
+    return (isinstance(doc, dict) and doc.get("kind") == KIND
+            and str(doc.get("apiVersion", "")).startswith(f"{API_GROUP}/"))

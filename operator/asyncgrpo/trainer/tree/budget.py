@@ -1,0 +1,149 @@
+"""Rollouts -> micro-batches of one packed row per data-parallel rank, under a token budget.
+
+Rules, and why:
+- A row holds at most `budget` forwarded (unique) tokens and `budget` loss terms. Unique
+  tokens bound activation memory; loss terms bound the LM-head work, which sharing does
+  not shrink (every branch of a fork keeps its own term).
+- A group is a unit: its rollouts share their prompt, so together they cost the prompt
+  once. A group whose forest exceeds the budget is cut into chunks that each repeat the
+  prompt; nothing is ever dropped. A rollout longer than the budget is a configuration
+  error (`RolloutError`) raised before any packing.
+- Units go longest-first (by attention pairs, which grow faster than tokens) to the least
+  loaded row that still fits them (LPT), opening a new micro-batch only when none fits.
+- No rank gets an empty row, since a rank that forwards nothing would desynchronise
+  FSDP/EP collectives: an empty row takes half of the fullest row's rollouts; if no row
+  has two, it forwards a copy of a rollout with no loss terms (`filler=True`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from .forest import PackedRow, Trie, pack
+from .rollout import Rollout, RolloutError
+
+
+def validate_budget(rollouts: Sequence[Rollout], budget: int) -> None:
+    """Every rollout must fit one row on its own; otherwise the configuration is wrong."""
+    if budget < 1:
+        raise RolloutError(f"token budget must be positive, got {budget}")
+    too_long = [i for i, r in enumerate(rollouts) if len(r) > budget]
+    if too_long:
+        longest = max(len(rollouts[i]) for i in too_long)
+        raise RolloutError(
+            f"{len(too_long)} rollout(s) exceed the per-rank token budget of {budget} "
+            f"(longest has {longest} tokens; first index {too_long[0]}): raise the budget to at "
+            "least the generator's max_model_len"
+        )
+
+
+@dataclass
+class _Bin:
+    """A row being filled: indices into the input rollouts, with its trie for pricing."""
+
+    trie: Trie = field(default_factory=Trie)
+    members: list[int] = field(default_factory=list)
+    trained: int = 0
+
+    def fits(self, unit: list[int], rollouts: Sequence[Rollout], budget: int) -> bool:
+        new_tokens, _ = self.trie.price([rollouts[i].input_ids for i in unit])
+        trained = sum(rollouts[i].trained for i in unit)
+        return len(self.trie) + new_tokens <= budget and self.trained + trained <= budget
+
+    def add(self, unit: list[int], rollouts: Sequence[Rollout]) -> None:
+        for i in unit:
+            self.trie.insert(rollouts[i].input_ids)
+            self.members.append(i)
+            self.trained += rollouts[i].trained
+
+    @classmethod
+    def of(cls, members: list[int], rollouts: Sequence[Rollout]) -> "_Bin":
+        b = cls()
+        b.add(members, rollouts)
+        return b
+
+
+def group_units(rollouts: Sequence[Rollout], budget: int) -> list[list[int]]:
+    """Each group as one unit, or as consecutive chunks (each repeating the prompt) if it overflows."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(rollouts):
+        groups[r.group_id].append(i)
+    units = []
+    for members in groups.values():
+        chunk = _Bin()
+        for i in members:
+            if chunk.members and not chunk.fits([i], rollouts, budget):
+                units.append(chunk.members)
+                chunk = _Bin()
+            chunk.add([i], rollouts)
+        units.append(chunk.members)
+    return units
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward of every rank: `rows[r]` is rank r's packed row."""
+
+    rows: list[PackedRow]
+    sources: list[list[int]]  # rows[r].rollouts[j] is input rollout sources[r][j]
+
+    @property
+    def trained(self) -> int:
+        return sum(row.trained for row in self.rows)
+
+
+def plan(rollouts: Sequence[Rollout], ranks: int, budget: int) -> list[MicroBatch]:
+    """Pack all rollouts into micro-batches of `ranks` rows, each within `budget`."""
+    if ranks < 1:
+        raise RolloutError(f"need at least one rank, got {ranks}")
+    if not rollouts:
+        raise RolloutError("nothing to pack: no rollouts")
+    validate_budget(rollouts, budget)
+
+    units = group_units(rollouts, budget)
+    cost = {id(u): Trie().price([rollouts[i].input_ids for i in u])[1] for u in units}
+    units.sort(key=lambda u: (-cost[id(u)], u[0]))
+
+    batches: list[list[_Bin]] = []
+    for unit in units:
+        fitting = [b for batch in batches for b in batch if b.fits(unit, rollouts, budget)]
+        if not fitting:
+            batches.append([_Bin() for _ in range(ranks)])
+            fitting = batches[-1]
+        min(fitting, key=lambda b: b.trie.load).add(unit, rollouts)
+
+    _fill_empty_rows(batches, rollouts)
+    return [_materialise(batch, rollouts) for batch in batches]
+
+
+def _fill_empty_rows(batches: list[list[_Bin]], rollouts: Sequence[Rollout]) -> None:
+    for batch in batches:
+        for slot, row in enumerate(batch):
+            if row.members:
+                continue
+            donor = max((b for bt in batches for b in bt), key=lambda b: len(b.members))
+            if len(donor.members) >= 2:
+                half = len(donor.members) // 2
+                keep, give = donor.members[:half], donor.members[half:]
+                donor.__dict__.update(_Bin.of(keep, rollouts).__dict__)
+                batch[slot] = _Bin.of(give, rollouts)
+            else:
+                batch[slot] = _Bin(members=[-1 - next(b.members[0] for b in batch if b.members)])
+
+
+def _materialise(batch: list[_Bin], rollouts: Sequence[Rollout]) -> MicroBatch:
+    rows, sources = [], []
+    for b in batch:
+        if b.members and b.members[0] < 0:  # filler: a copy of a rollout that trains nothing
+            source = rollouts[-1 - b.members[0]]
+            copy = replace(source, completion_mask=(0,) * len(source))
+            row = pack([copy])
+            row.filler = True
+            rows.append(row)
+            sources.append([])
+            continue
+        rows.append(pack([rollouts[i] for i in b.members]))
+        sources.append(list(b.members))
+    return MicroBatch(rows=rows, sources=sources)

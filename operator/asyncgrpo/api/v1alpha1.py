@@ -452,8 +452,8 @@ class ObjectMeta(Model):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
 
-    name: str = Field(default="run", pattern=DNS_LABEL, max_length=50,
-                      description="Run name; children are named after it.")
+    # Checked in asyncgrpo.api.validation: the CRD schema cannot constrain metadata.name.
+    name: str = Field(default="run", description="Run name; children are named after it.")
     namespace: str | None = Field(default=None, description="Namespace.")
 
 

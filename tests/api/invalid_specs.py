@@ -1,0 +1,106 @@
+"""Invalid runs, each with the field the error must name. Shared by the model tests and the
+API-server tests, so both layers are held to the same cases."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def base_run() -> dict:
+    """A small valid run (the CPU-friendly shape of examples/lora-math.yaml)."""
+    docs = yaml.safe_load_all((REPO / "examples" / "lora-math.yaml").read_text())
+    return copy.deepcopy(next(d for d in docs if d["kind"] == "AsyncGRPORun"))
+
+
+def _set(doc: dict, path: str, value) -> dict:
+    node = doc
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = value
+    return doc
+
+
+def _mutate(*changes):
+    def make() -> dict:
+        doc = base_run()
+        for path, value in changes:
+            _set(doc, path, value)
+        return doc
+
+    return make
+
+
+#: Rejected by the CRD schema (so by the API server) and by the model: (id, make, field).
+SCHEMA_INVALID = [
+    ("negative-learning-rate", _mutate(("spec.trainer.learningRate", -1e-5)),
+     "spec.trainer.learningRate"),
+    ("one-generation", _mutate(("spec.trainer.numGenerations", 1)), "spec.trainer.numGenerations"),
+    ("negative-staleness", _mutate(("spec.trainer.maxStaleness", -1)), "spec.trainer.maxStaleness"),
+    ("zero-replicas", _mutate(("spec.rollout.replicas", 0)), "spec.rollout.replicas"),
+    ("top-p-above-one", _mutate(("spec.rollout.sampling.topP", 1.5)),
+     "spec.rollout.sampling.topP"),
+    ("unknown-dtype", _mutate(("spec.model.dtype", "int3")), "spec.model.dtype"),
+    ("unknown-attention", _mutate(("spec.model.attention", "flash-tree")), "spec.model.attention"),
+    ("unknown-reward", _mutate(("spec.reward.functions", [{"name": "vibes"}])),
+     "spec.reward.functions"),
+    ("bad-lora-rank-for-vllm", _mutate(("spec.rollout.maxLoraRank", 24)),
+     "spec.rollout.maxLoraRank"),
+    ("bad-deletion-policy", _mutate(("spec.adapterStore.deletionPolicy", "Orphan")),
+     "spec.adapterStore.deletionPolicy"),
+    ("bucket-name-uppercase", _mutate(("spec.adapterStore.bucket", "My_Bucket")),
+     "spec.adapterStore.bucket"),
+    ("missing-model-name", _mutate(("spec.model", {"dtype": "bfloat16"})), "spec.model.name"),
+    ("negative-sandbox-pool", _mutate(("spec.sandboxes", {"minWarm": -1})),
+     "spec.sandboxes.minWarm"),
+    ("no-reward-functions", _mutate(("spec.reward.functions", [])), "spec.reward.functions"),
+    ("string-for-int", _mutate(("spec.trainer.totalSteps", "many")), "spec.trainer.totalSteps"),
+    ("bad-harness", _mutate(("spec.harness", {"type": "three-turn"})), "spec.harness.type"),
+    ("endpoint-not-url", _mutate(("spec.adapterStore.endpoint", "minio:9000")),
+     "spec.adapterStore.endpoint"),
+]
+
+#: Valid to the schema, refused by the cross-field rules (asyncgrpo validate, the operator).
+SEMANTIC_INVALID = [
+    ("fsdp-not-dividing-world", _mutate(("spec.trainer.gpusPerReplica", 4),
+                                        ("spec.trainer.fsdpSize", 3)), "spec.trainer.fsdpSize"),
+    ("ep-without-moe", _mutate(("spec.trainer.expertParallelSize", 2)),
+     "spec.trainer.expertParallelSize"),
+    ("ep-not-dividing-fsdp", _mutate(("spec.model.moe", True), ("spec.trainer.fsdpSize", 4),
+                                     ("spec.trainer.expertParallelSize", 3)),
+     "spec.trainer.expertParallelSize"),
+    ("lora-rank-above-vllm-max", _mutate(("spec.model.lora.rank", 64),
+                                         ("spec.rollout.maxLoraRank", 32)), "spec.model.lora.rank"),
+    ("min-pool-above-max", _mutate(("spec.sandboxes", {"minWarm": 10, "max": 4})),
+     "spec.sandboxes.minWarm"),
+    ("max-pool-above-cap", _mutate(("spec.sandboxes", {"max": 500, "hardCap": 100})),
+     "spec.sandboxes.max"),
+    ("retention-below-staleness", _mutate(("spec.adapterStore.retention", 3)),
+     "spec.adapterStore.retention"),
+    ("two-data-sources", _mutate(("spec.data.path", "/data/x.jsonl")), "spec.data"),
+    ("python-reward-without-module", _mutate(("spec.reward.functions", [{"name": "python"}])),
+     "spec.reward.functions[0].module"),
+    ("sandbox-reward-without-sandboxes", _mutate(("spec.reward.functions",
+                                                  [{"name": "sandbox_tests"}])),
+     "spec.reward.functions[0].name"),
+    ("tools-single-turn", _mutate(("spec.harness", {"tools": ["shell"]}),
+                                  ("spec.sandboxes", {})), "spec.harness.tools"),
+    ("budget-below-model-len", _mutate(("spec.trainer.tokenBudgetPerRank", 1024)),
+     "spec.trainer.tokenBudgetPerRank"),
+    ("completion-fills-context", _mutate(("spec.rollout.sampling.maxCompletionTokens", 8192)),
+     "spec.rollout.sampling.maxCompletionTokens"),
+    ("flex-on-cpu", _mutate(("spec.model.attention", "tree-flex"),
+                            ("spec.trainer.gpusPerReplica", 0)), "spec.model.attention"),
+    ("bad-regex", _mutate(("spec.reward.functions", [{"name": "regex_match",
+                                                      "args": {"pattern": "(["}}])),
+     "spec.reward.functions[0].args.pattern"),
+    ("bad-egress-cidr", _mutate(("spec.sandboxes", {"network": {"allowedEgressCidrs":
+                                                                ["10.0.0.0/33"]}})),
+     "spec.sandboxes.network.allowedEgressCidrs[0]"),
+    ("run-name-too-long", _mutate(("metadata.name", "r" * 60)), "metadata.name"),
+]

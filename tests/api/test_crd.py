@@ -1,0 +1,73 @@
+"""The CRD: generated from the model, checked in, structural."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+
+from asyncgrpo.api.crd import crd, crd_yaml
+
+from .invalid_specs import REPO
+
+CHECKED_IN = REPO / "crds" / "asyncgrpo.dev_asyncgrporuns.yaml"
+
+
+def test_checked_in_crd_equals_generated():
+    assert CHECKED_IN.read_text() == crd_yaml(), (
+        "crds/ is stale: run `asyncgrpo crd > crds/asyncgrpo.dev_asyncgrporuns.yaml`")
+
+
+def test_crd_command_prints_the_same():
+    out = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "crd"], capture_output=True,
+                         text=True, check=True, timeout=60).stdout
+    assert out == crd_yaml()
+
+
+def _walk(node, path="$"):
+    yield path, node
+    if isinstance(node, dict):
+        for k, v in node.get("properties", {}).items():
+            yield from _walk(v, f"{path}.{k}")
+        if "items" in node:
+            yield from _walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural():
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for path, node in _walk(schema):
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "title", "const"):
+            assert banned not in node, f"{path} has {banned}"
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
+        for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+            assert isinstance(node.get(bound, False), bool), f"{path}.{bound} must be boolean"
+        if node.get("x-kubernetes-preserve-unknown-fields"):
+            assert "properties" not in node, path
+
+
+def test_free_form_only_where_the_model_is_free_form():
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    free = sorted(p for p, n in _walk(schema) if n.get("x-kubernetes-preserve-unknown-fields"))
+    assert free == [
+        "$.spec.reward.functions[].args",
+        "$.spec.rollout.env[].valueFrom",
+        "$.spec.trainer.env[].valueFrom",
+    ]
+
+
+def test_descriptions_reach_kubectl_explain():
+    spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    trainer = spec["properties"]["trainer"]
+    assert "StatefulSet" in trainer["description"] or trainer["description"]
+    for name, prop in trainer["properties"].items():
+        assert prop.get("description"), f"spec.trainer.{name} lacks a description"
+
+
+def test_printer_columns_and_status_subresource():
+    version = yaml.safe_load(CHECKED_IN.read_text())["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert names == ["Phase", "Step", "Policy", "Tokens/s", "Sandboxes", "Busy", "Age"]

@@ -71,3 +71,12 @@ def test_printer_columns_and_status_subresource():
     assert version["subresources"] == {"status": {}}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
     assert names == ["Phase", "Step", "Policy", "Tokens/s", "Sandboxes", "Busy", "Age"]
+
+
+def test_field_reference_doc_is_generated_from_the_model():
+    from asyncgrpo.api.reference import reference_markdown
+
+    doc = REPO / "docs" / "api-reference.md"
+    assert doc.read_text() == reference_markdown(), (
+        "docs/api-reference.md is stale: run "
+        "`python -m asyncgrpo.api.reference > docs/api-reference.md`")

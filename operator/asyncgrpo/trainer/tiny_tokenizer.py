@@ -32,6 +32,11 @@ STRUCTURE_TOKENS = [
     "</tool_response>",
 ]
 
+#: vLLM's CPU attention supports head sizes 32, 64, 80, ... but not tiny.py's 16, so the
+#: checkpoints vLLM serves use 32 (4 query heads x 32 = 128 > hidden 64 is fine for Qwen3,
+#: whose head_dim is explicit). Train on the same checkpoint directory vLLM serves.
+VLLM_HEAD_DIM = 32
+
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
@@ -130,7 +135,9 @@ def save_tiny_checkpoint(path: str | Path, kind: str = "dense", seed: int = 0, *
     """Write a tiny random model and its tokenizer as one directory vLLM can serve.
 
     The model's config and generation config name the tokenizer's EOS and pad ids, so vLLM and
-    `generate` stop at `<|im_end|>` like a real Qwen3 chat model.
+    `generate` stop at `<|im_end|>` like a real Qwen3 chat model. ``head_dim`` defaults to
+    :data:`VLLM_HEAD_DIM` (vLLM's CPU attention rejects 16); the trainer must load this same
+    directory (``from_pretrained(path)``), not ``tiny_model()``, to train the served model.
     """
     from transformers import GenerationConfig
 
@@ -138,7 +145,8 @@ def save_tiny_checkpoint(path: str | Path, kind: str = "dense", seed: int = 0, *
     tokenizer = tiny_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    overrides = {"eos_token_id": eos_id, "pad_token_id": pad_id, "bos_token_id": None, **overrides}
+    overrides = {"eos_token_id": eos_id, "pad_token_id": pad_id, "bos_token_id": None,
+                 "head_dim": VLLM_HEAD_DIM, **overrides}
     save_tiny_model(path, kind=kind, seed=seed, **overrides)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None).save_pretrained(path)
     tokenizer.save_pretrained(path)

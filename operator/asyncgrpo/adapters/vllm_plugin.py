@@ -1,0 +1,205 @@
+"""vLLM plugin: serve ``policy-v{N}`` by resolving it from the run's S3 bucket.
+
+Why a resolver and not ``/v1/load_lora_adapter``: the trainer then never needs to know how
+many vLLM replicas exist or where they are. It publishes version N to the bucket; the first
+request naming ``policy-v{N}`` on each replica downloads, verifies and loads it. Each version
+is a new name, so vLLM's prefix cache never mixes KV computed under older weights.
+
+Configuration (environment of the vLLM server; the operator sets it):
+
+``ASYNCGRPO_ADAPTER_BUCKET``     bucket (required; without it the plugin registers nothing)
+``ASYNCGRPO_ADAPTER_RUN``        run whose adapters ``policy-v{N}`` names (required unless
+                                 ``ASYNCGRPO_ADAPTER_ANY_RUN=1``)
+``ASYNCGRPO_ADAPTER_PREFIX``     key prefix before ``<run>/adapters/`` (default empty)
+``ASYNCGRPO_ADAPTER_ENDPOINT``   S3 endpoint URL (else boto3's ``AWS_ENDPOINT_URL_S3`` /
+                                 ``AWS_ENDPOINT_URL``; else AWS)
+``ASYNCGRPO_ADAPTER_REGION``     region (else boto3's default chain)
+``ASYNCGRPO_ADAPTER_CACHE_DIR``  local directory for verified adapters (default
+                                 ``~/.cache/asyncgrpo/adapters``; give it an emptyDir)
+``ASYNCGRPO_ADAPTER_NAME_PREFIX`` served-name prefix (default ``policy-v``)
+``ASYNCGRPO_ADAPTER_ANY_RUN``    ``1``: also accept ``<run>/policy-v{N}`` for any run under
+                                 the prefix (shared test servers; off in production)
+``ASYNCGRPO_ADAPTER_ATTEMPTS``, ``ASYNCGRPO_ADAPTER_BACKOFF_S``  S3 retry budget per call
+Credentials: boto3's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, web identity...).
+
+vLLM only consults resolvers with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; if
+``VLLM_PLUGINS`` is set it must include ``asyncgrpo_s3_lora_resolver``; the server needs
+``--enable-lora`` and ``--max-lora-rank`` >= the trained rank.
+
+Failure behaviour: a missing, partial (no manifest) or corrupt (size/sha256 mismatch)
+version, or an unreachable bucket, is logged as an error naming the adapter and
+``s3://bucket/key`` and the resolver returns None, so the client gets vLLM's clean
+404 "does not exist" and nothing is cached: a later request retries. No exception
+escapes (vLLM would turn it into a 500 carrying the endpoint URL). The local cache is
+append-only: vLLM reloads evicted adapters from their path, so a served directory is never
+modified or deleted while the server lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import threading
+import time
+import zlib
+from pathlib import Path
+
+from asyncgrpo.adapters.store import (
+    DEFAULT_NAME_PREFIX,
+    MANIFEST,
+    AdapterCorrupt,
+    AdapterIncomplete,
+    AdapterNotFound,
+    AdapterStore,
+    AdapterStoreError,
+    StoreUnavailable,
+    parse_adapter_name,
+)
+
+#: vLLM formats loggers under "vllm"; ours sits below it so its lines appear in the server log.
+log = logging.getLogger("vllm.asyncgrpo.s3_lora_resolver")
+RESOLVER_NAME = "asyncgrpo-s3"
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+
+
+def _truthy(v: str | None) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class S3AdapterResolver:
+    """Name -> verified local adapter directory, independent of vLLM (testable without it).
+
+    Cheap to build: nothing touches S3 or imports boto3 until the first name is resolved.
+    """
+
+    def __init__(self, env: dict[str, str] | None = None):
+        env = dict(os.environ if env is None else env)
+        self.env = env
+        self.bucket = env.get("ASYNCGRPO_ADAPTER_BUCKET", "")
+        self.default_run = env.get("ASYNCGRPO_ADAPTER_RUN", "") or None
+        self.any_run = _truthy(env.get("ASYNCGRPO_ADAPTER_ANY_RUN"))
+        self.name_prefix = env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX
+        self.cache_dir = Path(env.get("ASYNCGRPO_ADAPTER_CACHE_DIR")
+                              or Path.home() / ".cache" / "asyncgrpo" / "adapters")
+        if not self.bucket:
+            raise ValueError("ASYNCGRPO_ADAPTER_BUCKET is not set")
+        if not self.default_run and not self.any_run:
+            raise ValueError("ASYNCGRPO_ADAPTER_RUN is not set (or set ASYNCGRPO_ADAPTER_ANY_RUN=1)")
+        self._stores: dict[str, AdapterStore] = {}
+        self._client = None
+        self._lock = threading.Lock()
+
+    def parse(self, lora_name: str) -> tuple[str, int] | None:
+        """``policy-v3`` -> (default run, 3); ``r/policy-v3`` -> ("r", 3) when any-run is on."""
+        run, _, tail = lora_name.rpartition("/")
+        if run:
+            if not self.any_run or not _RUN_NAME.match(run):
+                return None
+        else:
+            run = self.default_run or ""
+            if not run:
+                return None
+        version = parse_adapter_name(tail, self.name_prefix)
+        if version is None or version < 1:
+            return None
+        return run, version
+
+    def store(self, run: str) -> AdapterStore:
+        with self._lock:
+            if run not in self._stores:
+                if self._client is None:
+                    first = AdapterStore.from_env({**self.env, "ASYNCGRPO_ADAPTER_RUN": run})
+                    self._client = first.client
+                    self._stores[run] = first
+                else:
+                    self._stores[run] = AdapterStore.from_env(
+                        {**self.env, "ASYNCGRPO_ADAPTER_RUN": run}, client=self._client)
+            return self._stores[run]
+
+    def local_dir(self, run: str, version: int) -> Path:
+        return self.cache_dir / run / f"v{version}"
+
+    def resolve(self, lora_name: str) -> Path | None:
+        """The verified local directory of ``lora_name``, or None (and an error logged)."""
+        parsed = self.parse(lora_name)
+        if parsed is None:
+            return None
+        run, version = parsed
+        dest = self.local_dir(run, version)
+        if (dest / MANIFEST).is_file():  # verified earlier; versions are immutable
+            return dest
+        t0 = time.monotonic()
+        try:
+            store = self.store(run)
+            path, manifest = store.fetch(version, dest)
+        except AdapterNotFound:
+            log.warning("LoRA %r: version %d of run %r is not in the bucket (yet)",
+                        lora_name, version, run)
+            return None
+        except AdapterIncomplete as e:
+            log.error("LoRA %r refused: %s", lora_name, e)
+            return None
+        except AdapterCorrupt as e:
+            log.error("LoRA %r refused: corrupt version: %s", lora_name, e)
+            return None
+        except StoreUnavailable as e:
+            log.error("LoRA %r not resolved: %s", lora_name, e)
+            return None
+        except AdapterStoreError as e:
+            log.error("LoRA %r not resolved: %s", lora_name, e)
+            return None
+        except Exception as e:  # never let an error reach vLLM's 500 path
+            log.error("LoRA %r not resolved: unexpected %s", lora_name, type(e).__name__)
+            log.debug("resolver failure detail", exc_info=True)
+            return None
+        log.info("LoRA %r resolved: run %r version %d (step %d, %d files, %d bytes) in %.3fs",
+                 lora_name, run, version, manifest.step, len(manifest.files),
+                 manifest.total_bytes, time.monotonic() - t0)
+        return path
+
+
+def _vllm_resolver(core: S3AdapterResolver):
+    """Wrap the core in vLLM's LoRAResolver interface (imported only inside vLLM)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.resolver import LoRAResolver
+
+    class AsyncgrpoS3LoRAResolver(LoRAResolver):
+        def __init__(self):
+            self.core = core
+
+        async def resolve_lora(self, base_model_name: str, lora_name: str):
+            # The download blocks; a thread keeps the server answering other requests.
+            path = await asyncio.to_thread(self.core.resolve, lora_name)
+            if path is None:
+                return None
+            # vLLM replaces the id with its own counter; it only has to be positive here.
+            return LoRARequest(lora_name=lora_name,
+                               lora_int_id=1 + (zlib.crc32(lora_name.encode()) & 0x7FFFFFFF),
+                               lora_path=str(path))
+
+    return AsyncgrpoS3LoRAResolver()
+
+
+def register() -> None:
+    """Entry point ``vllm.general_plugins: asyncgrpo_s3_lora_resolver``.
+
+    vLLM calls it in every process it starts (API server, engine core, workers): it only reads
+    the environment and registers an object, no network and no boto3 import.
+    """
+    if not os.environ.get("ASYNCGRPO_ADAPTER_BUCKET"):
+        log.debug("ASYNCGRPO_ADAPTER_BUCKET unset: S3 LoRA resolver not registered")
+        return
+    try:
+        core = S3AdapterResolver()
+    except ValueError as e:
+        log.error("S3 LoRA resolver not registered: %s", e)
+        return
+    from vllm.lora.resolver import LoRAResolverRegistry
+
+    if not _truthy(os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")):
+        log.warning("S3 LoRA resolver registered, but vLLM only consults resolvers with "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    LoRAResolverRegistry.register_resolver(RESOLVER_NAME, _vllm_resolver(core))
+    log.debug("S3 LoRA resolver registered for bucket %s run %s", core.bucket, core.default_run)

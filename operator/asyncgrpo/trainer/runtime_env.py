@@ -1,0 +1,140 @@
+"""What the trainer learns from its environment rather than from the run file.
+
+The run file (the AsyncGRPORun YAML, mounted from a ConfigMap) says what to train. Where
+things are at run time (the vLLM Service, the sandbox gateway, a local S3 endpoint), the
+credentials, and the rank of this process are facts of the deployment, so the operator (or
+the local backend) sets them as environment variables. This module is the one list of
+them; docs/trainer.md repeats it for users.
+
+=============================  ==========================================================
+Variable                       Meaning
+=============================  ==========================================================
+ASYNCGRPO_VLLM_URL             vLLM OpenAI-compatible root, e.g. http://run-vllm:8000
+                               (required; the Service in front of every replica)
+ASYNCGRPO_GATEWAY_URL          sandbox gateway root (multi-turn tools, sandbox_tests)
+ASYNCGRPO_S3_ENDPOINT          overrides spec.adapterStore.endpoint (else
+                               AWS_ENDPOINT_URL_S3, else the spec)
+AWS_ACCESS_KEY_ID,             bucket credentials (from spec.adapterStore.credentialsSecret);
+AWS_SECRET_ACCESS_KEY          unset: boto3's ambient chain (IRSA, instance profile)
+ASYNCGRPO_RUN_NAME             run name in bucket keys (default metadata.name)
+ASYNCGRPO_ADAPTER_NAME_PREFIX  served adapter name prefix, must end in "-v" (default
+                               "policy-v": version N is served as policy-vN)
+ASYNCGRPO_WORK_DIR             local scratch: TRL output dir, checkpoint staging
+                               (default /tmp/asyncgrpo-trainer; give it an emptyDir)
+ASYNCGRPO_METRICS_PORT         overrides spec.trainer.metricsPort (0: no endpoint)
+ASYNCGRPO_PROBE_TOLERANCE      max |served - trained| log-prob on the probe before the
+                               ServedPolicyMatches hint turns False (default 0.05)
+ASYNCGRPO_RETRY_ATTEMPTS       tries of each S3 / vLLM call before the step fails
+                               (default 8; backoff doubles from ASYNCGRPO_RETRY_BACKOFF_S,
+                               default 1.0, capped at 30 s)
+ASYNCGRPO_MAX_STEPS            stop after this step even if spec.trainer.totalSteps is
+                               larger (tests, benchmarks; default: totalSteps)
+RANK, WORLD_SIZE, LOCAL_RANK,  set by torchrun; see `torchrun_args` for the StatefulSet
+MASTER_ADDR, MASTER_PORT
+=============================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncgrpo.trainer.distributed import Topology
+
+DEFAULT_WORK_DIR = "/tmp/asyncgrpo-trainer"
+DEFAULT_NAME_PREFIX = "policy-v"
+#: Port torchrun's rendezvous listens on in rank 0's pod.
+RENDEZVOUS_PORT = 29500
+
+
+class RuntimeEnvError(ValueError):
+    """A variable is missing or malformed; the message names it."""
+
+
+def _float(env: dict[str, str], key: str, default: float) -> float:
+    raw = env.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise RuntimeEnvError(f"{key}={raw!r} is not a number") from None
+
+
+def _int(env: dict[str, str], key: str, default: int | None) -> int | None:
+    raw = env.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RuntimeEnvError(f"{key}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    vllm_url: str | None
+    gateway_url: str | None = None
+    s3_endpoint: str | None = None
+    run_name: str | None = None
+    adapter_name_prefix: str = DEFAULT_NAME_PREFIX
+    work_dir: Path = Path(DEFAULT_WORK_DIR)
+    metrics_port: int | None = None
+    probe_tolerance: float = 0.05
+    retry_attempts: int = 8
+    retry_backoff_s: float = 1.0
+    max_steps: int | None = None
+    topology: Topology = field(default_factory=Topology)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> RuntimeEnv:
+        env = dict(os.environ if env is None else env)
+        prefix = env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX
+        if not prefix.endswith("-v"):
+            raise RuntimeEnvError(
+                f"ASYNCGRPO_ADAPTER_NAME_PREFIX={prefix!r} must end in '-v' (version N is "
+                "served as <prefix>N, the name TRL's rollout worker requests)")
+        attempts = _int(env, "ASYNCGRPO_RETRY_ATTEMPTS", 8)
+        if attempts < 1:
+            raise RuntimeEnvError("ASYNCGRPO_RETRY_ATTEMPTS must be >= 1")
+        return cls(
+            vllm_url=(env.get("ASYNCGRPO_VLLM_URL") or "").rstrip("/") or None,
+            gateway_url=(env.get("ASYNCGRPO_GATEWAY_URL") or "").rstrip("/") or None,
+            s3_endpoint=env.get("ASYNCGRPO_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL_S3") or None,
+            run_name=env.get("ASYNCGRPO_RUN_NAME") or None,
+            adapter_name_prefix=prefix,
+            work_dir=Path(env.get("ASYNCGRPO_WORK_DIR") or DEFAULT_WORK_DIR),
+            metrics_port=_int(env, "ASYNCGRPO_METRICS_PORT", None),
+            probe_tolerance=_float(env, "ASYNCGRPO_PROBE_TOLERANCE", 0.05),
+            retry_attempts=attempts,
+            retry_backoff_s=_float(env, "ASYNCGRPO_RETRY_BACKOFF_S", 1.0),
+            max_steps=_int(env, "ASYNCGRPO_MAX_STEPS", None),
+            topology=Topology.from_env(env),
+        )
+
+    def require_vllm(self) -> str:
+        if not self.vllm_url:
+            raise RuntimeEnvError("ASYNCGRPO_VLLM_URL is not set: the trainer needs the vLLM "
+                                  "server's root URL (e.g. http://<run>-vllm:8000)")
+        return self.vllm_url
+
+
+def torchrun_args(run, *, node_rank: str = "$(NODE_RANK)", master_addr: str,
+                  config_path: str = "/etc/asyncgrpo/run.yaml") -> list[str]:
+    """The trainer container's command for a run: torchrun over `trainer.replicas` pods.
+
+    `master_addr` is rank 0's stable name (`<sts>-0.<headless service>`); `node_rank` the
+    pod's ordinal (the StatefulSet's `apps.kubernetes.io/pod-index` label through the
+    downward API, exposed as NODE_RANK). Static rendezvous: every pod knows the world size.
+    """
+    t = run.spec.trainer
+    return [
+        "torchrun",
+        f"--nnodes={t.replicas}",
+        f"--nproc_per_node={max(t.gpus_per_replica, 1)}",
+        f"--node_rank={node_rank}",
+        f"--master_addr={master_addr}",
+        f"--master_port={RENDEZVOUS_PORT}",
+        "-m", "asyncgrpo.cli", "trainer", "--config", config_path,
+    ]

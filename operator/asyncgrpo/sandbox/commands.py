@@ -1,0 +1,164 @@
+"""`asyncgrpo sandbox serve` and `asyncgrpo gateway`: flags, each with an environment default.
+
+Every flag can also come from an `ASYNCGRPO_SANDBOX_*` / `ASYNCGRPO_GATEWAY_*` variable, so
+the operator's pod builders set env and never assemble command lines. Tokens come only from
+the environment or a file, never from a flag: argv is world-readable in /proc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+SANDBOX_TOKEN_ENV = "ASYNCGRPO_SANDBOX_TOKEN"
+GATEWAY_TOKEN_ENV = "ASYNCGRPO_GATEWAY_TOKEN"
+SANDBOX_PORT = 8000
+GATEWAY_PORT = 8080
+
+
+def _add(p: argparse.ArgumentParser, flag: str, env: str, default, type_=str, help_=""):
+    # argparse runs `type` on a string default, so a value from the environment is parsed
+    # (and rejected) exactly like one from the command line
+    p.add_argument(flag, default=os.environ.get(env, default), type=type_,
+                   help=f"{help_} [env {env}; default {default}]".strip())
+
+
+def read_token(env_name: str, file_path: str | None) -> str:
+    """Read the token, then drop it from this process's environment so no child inherits it."""
+    token = os.environ.pop(env_name, "")
+    if file_path:
+        with open(file_path) as f:
+            token = f.read().strip()
+    if not token:
+        raise SystemExit(f"no token: set {env_name} (or --token-file); every request must carry it")
+    return token
+
+
+def register(subparsers) -> None:
+    sb = subparsers.add_parser("sandbox", help="the sandbox server that runs in each sandbox pod")
+    sbsub = sb.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
+    serve = sbsub.add_parser("serve", help="serve exec/files/reset over HTTP")
+    E = "ASYNCGRPO_SANDBOX_"
+    _add(serve, "--host", E + "HOST", "0.0.0.0")
+    _add(serve, "--port", E + "PORT", SANDBOX_PORT, int)
+    _add(serve, "--workspace", E + "WORKSPACE", "/workspace", help_="root of the sessions")
+    _add(serve, "--template", E + "TEMPLATE", None,
+         help_="read-only directory copied into each session (the task's initial files)")
+    _add(serve, "--token-file", E + "TOKEN_FILE", None, help_=f"file holding the token instead of {SANDBOX_TOKEN_ENV}")
+    _add(serve, "--command-uid", E + "COMMAND_UID", 65534, int,
+         help_="uid commands run as when the server starts as root (ignored otherwise)")
+    _add(serve, "--command-gid", E + "COMMAND_GID", 65534, int, help_="gid for commands, as above")
+    _add(serve, "--max-procs", E + "MAX_PROCS", 512, int, help_="RLIMIT_NPROC of commands (fork bombs)")
+    _add(serve, "--max-file-bytes", E + "MAX_FILE_BYTES", 1 << 30, int, help_="RLIMIT_FSIZE of commands")
+    _add(serve, "--max-memory-bytes", E + "MAX_MEMORY_BYTES", 0, int, help_="RLIMIT_AS of commands; 0: none")
+    _add(serve, "--max-output-bytes", E + "MAX_OUTPUT_BYTES", 1 << 20, int, help_="output kept per stream")
+    _add(serve, "--max-timeout-seconds", E + "MAX_TIMEOUT_SECONDS", 600.0, float)
+    _add(serve, "--default-timeout-seconds", E + "DEFAULT_TIMEOUT_SECONDS", 60.0, float)
+    _add(serve, "--max-body-bytes", E + "MAX_BODY_BYTES", 16 << 20, int)
+    _add(serve, "--max-read-bytes", E + "MAX_READ_BYTES", 8 << 20, int)
+    _add(serve, "--max-concurrent-execs", E + "MAX_CONCURRENT_EXECS", 64, int,
+         help_="execs running at once; more wait their turn")
+    _add(serve, "--shell", E + "SHELL", "/bin/bash")
+    serve.set_defaults(func=serve_sandbox)
+
+    gw = subparsers.add_parser("gateway", help="the per-run gateway that leases sandboxes to rollout groups")
+    G = "ASYNCGRPO_GATEWAY_"
+    _add(gw, "--host", G + "HOST", "0.0.0.0")
+    _add(gw, "--port", G + "PORT", GATEWAY_PORT, int)
+    _add(gw, "--members", G + "MEMBERS", None,
+         help_="comma-separated sandbox base URLs (local mode); omit to watch pods on Kubernetes")
+    _add(gw, "--namespace", G + "NAMESPACE", None,
+         help_="namespace of the sandbox pods (default: the gateway pod's own namespace)")
+    _add(gw, "--selector", G + "SELECTOR", None, help_="label selector of the run's sandbox pods")
+    _add(gw, "--sandbox-port", G + "SANDBOX_PORT", SANDBOX_PORT, int, help_="port of the sandbox server in pods")
+    _add(gw, "--token-file", G + "TOKEN_FILE", None, help_=f"file holding {GATEWAY_TOKEN_ENV}")
+    _add(gw, "--sandbox-token-file", G + "SANDBOX_TOKEN_FILE", None, help_=f"file holding {SANDBOX_TOKEN_ENV}")
+    _add(gw, "--lease-ttl-seconds", G + "LEASE_TTL_SECONDS", 60.0, float,
+         help_="a lease with no heartbeat or call for this long is taken back")
+    _add(gw, "--lease-max-seconds", G + "LEASE_MAX_SECONDS", 6 * 3600.0, float,
+         help_="hard limit on one lease's life, heartbeats or not")
+    _add(gw, "--max-wait-seconds", G + "MAX_WAIT_SECONDS", 300.0, float,
+         help_="longest a lease request may wait for a sandbox")
+    _add(gw, "--health-interval-seconds", G + "HEALTH_INTERVAL_SECONDS", 5.0, float)
+    _add(gw, "--health-failures", G + "HEALTH_FAILURES", 2, int,
+         help_="consecutive failed health checks that take a sandbox out")
+    _add(gw, "--max-body-bytes", G + "MAX_BODY_BYTES", 16 << 20, int)
+    _add(gw, "--max-exec-seconds", G + "MAX_EXEC_SECONDS", 600.0, float,
+         help_="upper bound of a proxied exec (the sandbox enforces its own)")
+    gw.set_defaults(func=serve_gateway)
+
+
+def _uvicorn_run(app, host: str, port: int) -> int:
+    import uvicorn
+
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "warning").lower(),
+        access_log=False,
+        timeout_keep_alive=30,
+        backlog=4096,
+        h11_max_incomplete_event_size=64 * 1024,  # caps request line + headers
+    )
+    return 0
+
+
+def serve_sandbox(args: argparse.Namespace) -> int:
+    from asyncgrpo.sandbox.process import CommandLimits, harden_server_process
+    from asyncgrpo.sandbox.server import ServerSettings, create_app
+
+    token = read_token(SANDBOX_TOKEN_ENV, args.token_file)
+    as_root = os.geteuid() == 0
+    limits = CommandLimits(
+        max_procs=args.max_procs,
+        max_file_bytes=args.max_file_bytes,
+        max_memory_bytes=args.max_memory_bytes,
+        uid=args.command_uid if as_root else None,
+        gid=args.command_gid if as_root else None,
+    )
+    hardening = harden_server_process()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("asyncgrpo.sandbox").info(
+        "sandbox server on %s:%s workspace=%s commands as %s hardening=%s",
+        args.host, args.port, args.workspace,
+        f"uid {limits.uid}" if as_root else "the server's uid", hardening,
+    )
+    settings = ServerSettings(
+        workspace=args.workspace,
+        token=token,
+        template=args.template,
+        max_timeout_seconds=args.max_timeout_seconds,
+        default_timeout_seconds=min(args.default_timeout_seconds, args.max_timeout_seconds),
+        max_output_bytes=args.max_output_bytes,
+        max_read_bytes=args.max_read_bytes,
+        max_body_bytes=args.max_body_bytes,
+        max_concurrent_execs=args.max_concurrent_execs,
+        shell=args.shell,
+        limits=limits,
+    )
+    return _uvicorn_run(create_app(settings), args.host, args.port)
+
+
+def serve_gateway(args: argparse.Namespace) -> int:
+    from asyncgrpo.sandbox.gateway import GatewaySettings, create_gateway
+    from asyncgrpo.sandbox.members import member_source_from_args
+
+    token = read_token(GATEWAY_TOKEN_ENV, args.token_file)
+    sandbox_token = read_token(SANDBOX_TOKEN_ENV, args.sandbox_token_file)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    settings = GatewaySettings(
+        token=token,
+        sandbox_token=sandbox_token,
+        lease_ttl_seconds=args.lease_ttl_seconds,
+        lease_max_seconds=args.lease_max_seconds,
+        max_wait_seconds=args.max_wait_seconds,
+        health_interval_seconds=args.health_interval_seconds,
+        health_failures=args.health_failures,
+        max_body_bytes=args.max_body_bytes,
+        max_exec_seconds=args.max_exec_seconds,
+    )
+    source = member_source_from_args(args)
+    return _uvicorn_run(create_gateway(settings, source), args.host, args.port)

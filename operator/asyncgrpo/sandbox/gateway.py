@@ -1,0 +1,257 @@
+"""The per-run gateway: the one address the trainer needs for sandboxes.
+
+It leases sandboxes to rollout groups, forwards exec and file calls to the leased sandbox
+(so the Kubernetes API server is never on the exec path), takes sandboxes back when the
+group releases or goes quiet, and publishes the demand signal the operator scales on.
+HTTP only translates; every decision about sandboxes and leases is in `pool.Pool`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from asyncgrpo.sandbox.http_guard import GuardMiddleware, parse_body
+from asyncgrpo.sandbox.metrics import GatewayMetrics
+from asyncgrpo.sandbox.pool import LeaseGone, Member, NoSandbox, Pool
+
+log = logging.getLogger("asyncgrpo.sandbox.gateway")
+
+# extra time a proxied exec may take beyond its own timeout (kill, transfer, queueing)
+_EXEC_SLACK_SECONDS = 30.0
+
+
+@dataclass
+class GatewaySettings:
+    token: str
+    sandbox_token: str
+    lease_ttl_seconds: float = 60.0
+    lease_max_seconds: float = 6 * 3600.0
+    max_wait_seconds: float = 300.0
+    health_interval_seconds: float = 5.0
+    health_timeout_seconds: float = 3.0
+    health_failures: int = 2
+    max_body_bytes: int = 16 << 20
+    max_exec_seconds: float = 600.0
+    reset_timeout_seconds: float = 120.0
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_id: str = Field(min_length=1, max_length=256)
+    wait_seconds: float | None = Field(None, ge=0)
+
+
+def _gone(err: LeaseGone) -> JSONResponse:
+    detail = {
+        "released": "the lease was released",
+        "expired": "the lease expired: no call or heartbeat within the lease TTL",
+        "sandbox_lost": "the sandbox behind this lease failed; its state is lost; lease again",
+        "unknown": "no such lease",
+    }[err.reason]
+    status = 404 if err.reason == "unknown" else 410
+    return JSONResponse({"error": f"lease_{err.reason}" if err.reason != "sandbox_lost" else "sandbox_lost",
+                         "detail": detail, "lease_id": err.lease_id}, status_code=status)
+
+
+def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
+    metrics = GatewayMetrics()
+    http = httpx.AsyncClient(
+        headers={"authorization": f"Bearer {settings.sandbox_token}"},
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024),
+        timeout=httpx.Timeout(settings.max_exec_seconds + _EXEC_SLACK_SECONDS, connect=5.0),
+    )
+
+    async def reset_member(m: Member) -> bool:
+        try:
+            r = await http.post(f"{m.url}/v1/reset", timeout=settings.reset_timeout_seconds)
+            return r.status_code == 200
+        except httpx.HTTPError as err:
+            log.warning("reset of %s failed: %s", m.name, err)
+            return False
+
+    pool = Pool(
+        reset_fn=reset_member,
+        metrics=metrics,
+        lease_ttl_seconds=settings.lease_ttl_seconds,
+        lease_max_seconds=settings.lease_max_seconds,
+    )
+
+    async def probe(m: Member) -> None:
+        try:
+            r = await http.get(f"{m.url}/healthz", timeout=settings.health_timeout_seconds)
+            ok, reason = r.status_code == 200, f"health returned {r.status_code}"
+        except httpx.HTTPError as err:
+            ok, reason = False, f"health check failed: {type(err).__name__}"
+        if ok:
+            pool.health_ok(m.name)
+        else:
+            pool.health_failed(m.name, reason, settings.health_failures)
+
+    async def health_loop() -> None:
+        while True:
+            members = list(pool.members.values())
+            if members:
+                await asyncio.gather(*(probe(m) for m in members), return_exceptions=True)
+            await asyncio.sleep(settings.health_interval_seconds)
+
+    async def expiry_loop() -> None:
+        while True:
+            await asyncio.sleep(max(0.2, min(settings.lease_ttl_seconds / 4, 5.0)))
+            pool.expire()
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        tasks = [asyncio.create_task(t) for t in (source.run(pool), health_loop(), expiry_loop())]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await pool.close()
+            await http.aclose()
+
+    app = FastAPI(title="asyncgrpo sandbox gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.post("/v1/leases")
+    async def lease(request: Request):
+        req = await parse_body(request, LeaseRequest)
+        wait = min(settings.max_wait_seconds if req.wait_seconds is None else req.wait_seconds,
+                   settings.max_wait_seconds)
+        try:
+            lease, joined = await pool.acquire(req.group_id, wait)
+        except NoSandbox:
+            return JSONResponse(
+                {"error": "no_sandbox", "detail": f"no sandbox free within {wait:g}s", "demand": _small(pool)},
+                status_code=503, headers={"retry-after": "1"},
+            )
+        return {
+            "lease_id": lease.id,
+            "group_id": lease.group_id,
+            "sandbox": lease.member,
+            "holders": lease.holders,
+            "joined": joined,
+            "ttl_seconds": settings.lease_ttl_seconds,
+            "waited_seconds": round(lease.waited_seconds, 6),
+        }
+
+    @app.post("/v1/leases/{lease_id}/heartbeat")
+    async def heartbeat(lease_id: str):
+        try:
+            lease = pool.touch(lease_id)
+        except LeaseGone as err:
+            return _gone(err)
+        return {"lease_id": lease_id, "holders": lease.holders, "ttl_seconds": settings.lease_ttl_seconds}
+
+    @app.delete("/v1/leases/{lease_id}")
+    async def release(lease_id: str, all: bool = False):  # noqa: A002 - query parameter name
+        try:
+            return pool.release(lease_id, all_holders=all)
+        except LeaseGone as err:
+            return _gone(err)
+
+    async def forward(lease_id: str, request: Request, path: str) -> Response:
+        try:
+            lease, member = pool.get(lease_id)
+        except LeaseGone as err:
+            return _gone(err)
+        body = await request.body()
+        timeout = settings.max_exec_seconds + _EXEC_SLACK_SECONDS
+        if path == "/v1/exec":
+            try:
+                asked = float(json.loads(body).get("timeout_seconds") or settings.max_exec_seconds)
+                timeout = min(asked, settings.max_exec_seconds) + _EXEC_SLACK_SECONDS
+            except (ValueError, TypeError, AttributeError):
+                pass  # the sandbox will refuse the body itself
+        lease.in_flight += 1
+        lease.last_seen = pool.clock()
+        t0 = time.monotonic()
+        try:
+            r = await http.post(member.url + path, content=body,
+                                headers={"content-type": "application/json"}, timeout=timeout)
+        except httpx.HTTPError as err:
+            metrics.proxy_errors.inc()
+            if pool.leases.get(lease_id) is lease:
+                pool.lost(member.name, f"{path} failed: {type(err).__name__}")
+            return JSONResponse(
+                {"error": "sandbox_lost", "lease_id": lease_id, "sandbox": member.name,
+                 "detail": f"the sandbox failed during the call ({type(err).__name__}); its state is "
+                           "lost; the lease is ended: lease again"},
+                status_code=502,
+            )
+        finally:
+            lease.in_flight -= 1
+            lease.last_seen = pool.clock()
+        if path == "/v1/exec":
+            metrics.exec_seconds.observe(time.monotonic() - t0)
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.post("/v1/leases/{lease_id}/exec")
+    async def exec_(lease_id: str, request: Request):
+        return await forward(lease_id, request, "/v1/exec")
+
+    @app.post("/v1/leases/{lease_id}/files/read")
+    async def read(lease_id: str, request: Request):
+        return await forward(lease_id, request, "/v1/files/read")
+
+    @app.post("/v1/leases/{lease_id}/files/write")
+    async def write(lease_id: str, request: Request):
+        return await forward(lease_id, request, "/v1/files/write")
+
+    @app.get("/v1/demand")
+    async def demand():
+        return pool.demand()
+
+    @app.get("/v1/pool")
+    async def pool_view():
+        now = pool.clock()
+        return {
+            "members": [
+                {"name": m.name, "url": m.url, "state": m.state, "lease_id": m.lease_id,
+                 "reason": m.reason, "seconds_in_state": round(now - m.since, 3)}
+                for m in pool.members.values()
+            ],
+            "leases": [
+                {"lease_id": lease.id, "group_id": lease.group_id, "sandbox": lease.member,
+                 "holders": lease.holders, "in_flight": lease.in_flight,
+                 "idle_seconds": round(now - lease.last_seen, 3)}
+                for lease in pool.leases.values()
+            ],
+        }
+
+    @app.post("/v1/members/{name}/drain")
+    async def drain(name: str):
+        return pool.drain(name)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok", "members": len(pool.members)}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.pool = pool
+    return GuardMiddleware(
+        app,
+        token=settings.token,
+        max_body_bytes=settings.max_body_bytes,
+        open_paths=frozenset({"/healthz", "/metrics", "/v1/demand"}),
+        on_reject=lambda reason: metrics.rejected.labels(reason=reason).inc(),
+    )
+
+
+def _small(pool: Pool) -> dict:
+    d = pool.demand()
+    return {k: d[k] for k in ("busy", "idle", "waiting", "starting", "unhealthy")}
+

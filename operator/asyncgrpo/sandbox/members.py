@@ -1,0 +1,145 @@
+"""Where the gateway learns which sandboxes exist: a fixed list, or a watch on pods.
+
+On Kubernetes the gateway lists and then watches the run's sandbox pods by label selector
+in one namespace (RBAC: get/list/watch on pods there, nothing else), so the API server is
+asked once per pod change, never per exec. A pod is a member once it is Running with an
+IP and not being deleted; readiness is the gateway's own health check, not the kubelet's,
+because a sandbox must also pass a reset before it is handed out. The watch resumes from
+its last resourceVersion and lists again when the server says that version is gone (410).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from urllib.parse import urlparse
+
+log = logging.getLogger("asyncgrpo.sandbox.members")
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+class StaticMembers:
+    """Local mode: a fixed list of sandbox base URLs; the name of each is its host:port."""
+
+    def __init__(self, urls: Iterable[str]):
+        self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        for u in self.urls:
+            if urlparse(u).scheme not in ("http", "https") or not urlparse(u).netloc:
+                raise ValueError(f"not a sandbox base URL: {u!r}")
+
+    async def run(self, pool) -> None:
+        for u in self.urls:
+            pool.upsert(urlparse(u).netloc, u)
+
+
+def pod_member(pod, port: int) -> tuple[str, str | None]:
+    """(pod name, base URL) or (name, None) when the pod cannot serve (yet or any more)."""
+    name = pod.metadata.name
+    if pod.metadata.deletion_timestamp is not None:
+        return name, None
+    status = pod.status
+    if status is None or status.phase != "Running" or not status.pod_ip:
+        return name, None
+    host = f"[{status.pod_ip}]" if ":" in status.pod_ip else status.pod_ip
+    return name, f"http://{host}:{port}"
+
+
+class KubernetesPodWatch:
+    """Members from the pods matching `selector` in `namespace` (a list, then a watch)."""
+
+    def __init__(self, namespace: str, selector: str, port: int):
+        if not selector:
+            raise ValueError("a label selector is required to find the run's sandbox pods")
+        self.namespace = namespace
+        self.selector = selector
+        self.port = port
+        self._stop = threading.Event()
+
+    def _api(self):
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        return client.CoreV1Api()
+
+    async def run(self, pool) -> None:
+        loop = asyncio.get_running_loop()
+
+        def apply(kind: str, pod) -> None:
+            name, url = pod_member(pod, self.port)
+            if kind == "DELETED" or url is None:
+                pool.remove(name)
+            else:
+                pool.upsert(name, url)
+
+        def resync(names: set[str]) -> None:
+            for name in [n for n in pool.members if n not in names]:
+                pool.remove(name)
+
+        thread = threading.Thread(target=self._watch, args=(loop, apply, resync), daemon=True,
+                                  name="sandbox-pod-watch")
+        thread.start()
+        try:
+            while thread.is_alive():
+                await asyncio.sleep(1.0)
+        finally:
+            self._stop.set()
+
+    def _watch(self, loop, apply, resync) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        api = None
+        version = None
+        while not self._stop.is_set():
+            try:
+                api = api or self._api()
+                if version is None:
+                    pods = api.list_namespaced_pod(self.namespace, label_selector=self.selector)
+                    names = {p.metadata.name for p in pods.items}
+                    loop.call_soon_threadsafe(resync, names)
+                    for p in pods.items:
+                        loop.call_soon_threadsafe(apply, "ADDED", p)
+                    version = pods.metadata.resource_version
+                w = watch.Watch()
+                for event in w.stream(
+                    api.list_namespaced_pod, self.namespace, label_selector=self.selector,
+                    resource_version=version, timeout_seconds=300, allow_watch_bookmarks=True,
+                ):
+                    if self._stop.is_set():
+                        w.stop()
+                        return
+                    obj = event["object"]
+                    version = obj.metadata.resource_version or version
+                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        loop.call_soon_threadsafe(apply, event["type"], obj)
+            except ApiException as err:
+                if err.status == 410:  # our resourceVersion is too old: list again
+                    version = None
+                    continue
+                log.warning("pod watch failed (%s); retrying", err.status)
+                time.sleep(2.0)
+            except Exception as err:  # API server restart, network blip: back off, resume
+                log.warning("pod watch error: %s; retrying", err)
+                time.sleep(2.0)
+
+
+def member_source_from_args(args):
+    if args.members:
+        return StaticMembers(args.members.split(","))
+    namespace = args.namespace
+    if not namespace and os.path.exists(SERVICE_ACCOUNT_NAMESPACE):
+        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
+            namespace = f.read().strip()
+    if not namespace or not args.selector:
+        raise SystemExit(
+            "gateway: give --members URL,... (local) or --selector (and --namespace outside a pod)"
+        )
+    return KubernetesPodWatch(namespace, args.selector, args.sandbox_port)

@@ -1,0 +1,95 @@
+"""Prometheus metrics of the sandbox server and the gateway.
+
+Each app gets its own registry so several apps can live in one process (tests, bench) and
+each scrape shows only its own series. Names carry their unit (`_seconds`, `_bytes`,
+`_total`) as Prometheus naming asks; docs/sandboxes.md lists them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# exec latencies run from a millisecond `true` to minutes-long test suites
+_EXEC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class SandboxMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.execs = Counter(
+            "asyncgrpo_sandbox_execs_total", "Execs by outcome (ok, nonzero, timeout, error).",
+            ["outcome"], registry=r,
+        )
+        self.exec_seconds = Histogram(
+            "asyncgrpo_sandbox_exec_seconds", "Wall time of one exec.", buckets=_EXEC_BUCKETS, registry=r
+        )
+        self.in_flight = Gauge("asyncgrpo_sandbox_execs_in_flight", "Execs running or queued.", registry=r)
+        self.output_bytes = Counter(
+            "asyncgrpo_sandbox_output_bytes_total", "Bytes commands wrote (before truncation).",
+            ["stream"], registry=r,
+        )
+        self.truncated = Counter(
+            "asyncgrpo_sandbox_output_truncated_total", "Exec outputs cut to the cap.", ["stream"], registry=r
+        )
+        self.resets = Counter("asyncgrpo_sandbox_resets_total", "Workspace resets.", registry=r)
+        self.reset_seconds = Histogram(
+            "asyncgrpo_sandbox_reset_seconds", "Time to kill leftovers and restore the workspace.",
+            buckets=_EXEC_BUCKETS, registry=r,
+        )
+        self.path_refused = Counter(
+            "asyncgrpo_sandbox_path_refused_total", "File requests refused for leaving the workspace.",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "asyncgrpo_sandbox_requests_rejected_total",
+            "Requests refused before a handler (unauthorized, too_large, bad_length).", ["reason"], registry=r,
+        )
+
+
+class GatewayMetrics:
+    STATES = ("starting", "warm", "busy", "resetting", "unhealthy", "draining")
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.sandboxes = Gauge(
+            "asyncgrpo_gateway_sandboxes", "Pool members by state.", ["state"], registry=r
+        )
+        for s in self.STATES:
+            self.sandboxes.labels(state=s).set(0)
+        self.spawned = Counter(
+            "asyncgrpo_gateway_sandboxes_spawned_total", "Sandboxes that joined the pool.", registry=r
+        )
+        self.failures = Counter(
+            "asyncgrpo_gateway_sandbox_failures_total",
+            "Sandboxes taken out of service, by reason (health, lost, reset).", ["reason"], registry=r,
+        )
+        self.lease_wait = Histogram(
+            "asyncgrpo_gateway_lease_wait_seconds",
+            "Time from lease request to lease; start=warm if a sandbox was idle, cold if it waited.",
+            ["start"], buckets=_WAIT_BUCKETS, registry=r,
+        )
+        self.leases_active = Gauge("asyncgrpo_gateway_leases_active", "Leases held now.", registry=r)
+        self.leases_waiting = Gauge(
+            "asyncgrpo_gateway_leases_waiting", "Lease requests waiting for a sandbox.", registry=r
+        )
+        self.leases_ended = Counter(
+            "asyncgrpo_gateway_leases_ended_total",
+            "Leases ended, by how (released, expired, broken).", ["how"], registry=r,
+        )
+        self.lease_timeouts = Counter(
+            "asyncgrpo_gateway_lease_wait_timeouts_total", "Lease requests that got no sandbox in time.",
+            registry=r,
+        )
+        self.exec_seconds = Histogram(
+            "asyncgrpo_gateway_exec_seconds", "Wall time of one proxied exec, gateway included.",
+            buckets=_EXEC_BUCKETS, registry=r,
+        )
+        self.proxy_errors = Counter(
+            "asyncgrpo_gateway_proxy_errors_total", "Proxied calls that failed to reach a sandbox.",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "asyncgrpo_gateway_requests_rejected_total",
+            "Requests refused before a handler (unauthorized, too_large, bad_length).", ["reason"], registry=r,
+        )

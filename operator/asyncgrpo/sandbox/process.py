@@ -1,0 +1,377 @@
+"""Run one untrusted command and always get control back.
+
+The server runs whatever a policy model writes, so every exec must end on time, with bounded
+memory in this process, and leave nothing behind:
+
+- the command starts in a new session (its own process group), so a timeout can kill the
+  whole group at once with one `killpg`, and the children it forked die with it;
+- before the kill, the descendants of the command are collected from /proc, so a child that
+  called `setsid` to leave the group is killed too; the server is a child subreaper
+  (`PR_SET_CHILD_SUBREAPER`), so an orphan that escaped both is still our descendant and the
+  reset sweep (`kill_all_descendants`) finds it;
+- resource limits are set in the child before exec: RLIMIT_NPROC caps a fork bomb (it
+  counts every process of the command's uid, which is why commands get their own uid when
+  the server starts as root), RLIMIT_FSIZE caps one file, RLIMIT_AS optionally caps memory;
+- output is read in fixed chunks into `CappedBuffer`, which keeps a head and a tail and
+  drops the middle, so 100 MB of output costs the server the cap, not 100 MB; the tail is
+  kept because test runners print their summary last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import resource
+import signal
+import time
+from dataclasses import dataclass, field
+
+_READ_CHUNK = 64 * 1024
+_PR_SET_DUMPABLE = 4
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class CommandLimits:
+    """Per-exec limits; set once by the server from its flags, never by a request."""
+
+    max_procs: int = 512
+    max_file_bytes: int = 1 << 30
+    max_memory_bytes: int = 0  # 0: left to the pod's cgroup limit
+    uid: int | None = None  # drop to this uid/gid in the child (server started as root)
+    gid: int | None = None
+
+
+@dataclass
+class ExecResult:
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    stdout_bytes: int
+    stderr_bytes: int
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    duration_seconds: float
+    killed_processes: int = 0
+
+
+class CappedBuffer:
+    """Keeps at most `cap` bytes of a stream: the first half and the last half.
+
+    Memory stays under about twice the cap no matter how much is written: the tail is a
+    bytearray trimmed whenever it passes twice its share, so trimming is amortised.
+    """
+
+    def __init__(self, cap: int):
+        self.cap = max(0, cap)
+        self._head_cap = self.cap // 2
+        self._tail_cap = self.cap - self._head_cap
+        self._head = bytearray()
+        self._tail = bytearray()
+        self.total = 0
+
+    def write(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self._head_cap - len(self._head)
+        if room > 0:
+            self._head += data[:room]
+            data = data[room:]
+        if not data or self._tail_cap == 0:
+            return
+        if len(data) >= self._tail_cap:
+            self._tail = bytearray(data[-self._tail_cap :])
+            return
+        self._tail += data
+        if len(self._tail) > 2 * self._tail_cap:
+            del self._tail[: len(self._tail) - self._tail_cap]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.cap
+
+    def getvalue(self, marker: bytes = b"") -> bytes:
+        tail = bytes(self._tail[-self._tail_cap :]) if self._tail_cap else b""
+        if not self.truncated:
+            return bytes(self._head) + tail
+        dropped = self.total - len(self._head) - len(tail)
+        note = marker.replace(b"{n}", str(dropped).encode()) if marker else b""
+        return bytes(self._head) + note + tail
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def harden_server_process() -> dict[str, bool]:
+    """Make this process a subreaper and non-dumpable.
+
+    Non-dumpable makes /proc/<server>/environ and /proc/<server>/mem owned by root and
+    refuses ptrace, so a command running under the server's own uid (server not root)
+    cannot read the token the server was started with.
+    """
+    return {
+        "subreaper": _prctl(_PR_SET_CHILD_SUBREAPER, 1),
+        "non_dumpable": _prctl(_PR_SET_DUMPABLE, 0),
+    }
+
+
+def _child_setup(limits: CommandLimits) -> None:  # runs in the child between fork and exec
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if limits.max_procs > 0:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
+    if limits.max_file_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
+    if limits.max_memory_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (limits.max_memory_bytes, limits.max_memory_bytes))
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+def _proc_table() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, state letter) for every process visible in /proc."""
+    table: dict[int, tuple[int, bytes]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # the command name is in parentheses and may itself contain spaces or parentheses
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if len(rest) >= 2:
+            table[int(name)] = (int(rest[1]), rest[0])
+    return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, bytes]] | None = None) -> list[int]:
+    """Live (non-zombie) descendants of `root`."""
+    table = _proc_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _state) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out: list[int] = []
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if table[child][1] != b"Z":
+                out.append(child)
+            stack.append(child)
+    return out
+
+
+def _kill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def kill_tree(pid: int, rounds: int = 5) -> int:
+    """SIGKILL the process group of `pid` and every descendant of `pid`; return how many.
+
+    Repeated a few rounds because a fork bomb can fork between the scan and the kill;
+    RLIMIT_NPROC bounds how many it can make, so a few rounds empty it.
+    """
+    killed: set[int] = set()
+    for _ in range(rounds):
+        found = descendants(pid)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        killed.update(p for p in [pid, *found] if _kill(p))
+        if not found:
+            break
+    return len(killed)
+
+
+def kill_group(pgid: int) -> int:
+    """SIGKILL what is left of a finished command's process group (its background jobs).
+
+    Only the group, never the pid itself: the leader was reaped and its pid may be reused,
+    but a process group id stays reserved while any member lives.
+    """
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        return 1
+    except (ProcessLookupError, PermissionError):
+        return 0
+
+
+def kill_all_descendants(tracked: set[int] | frozenset[int] = frozenset(), rounds: int = 10) -> int:
+    """Kill every process below this server (orphans were re-parented to us: subreaper).
+
+    Killed direct children of ours stay zombies until asyncio's watcher reaps them; only
+    orphans are reaped here.
+    """
+    me = os.getpid()
+    killed: set[int] = set()
+    for _ in range(rounds):
+        found = descendants(me)
+        if not found:
+            break
+        killed.update(p for p in found if _kill(p))
+    reap_orphans(tracked)
+    return len(killed)
+
+
+def reap_orphans(tracked: set[int] | frozenset[int] = frozenset()) -> int:
+    """Reap zombie children we did not spawn ourselves (re-parented orphans).
+
+    asyncio waits only for the pids it started; waiting for any pid would steal their exit
+    status, so zombies are found by parent pid and state in /proc and reaped one by one.
+    """
+    me = os.getpid()
+    reaped = 0
+    for pid, (ppid, state) in _proc_table().items():
+        if ppid != me or pid in tracked:
+            continue
+        if state == b"Z":
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped += 1
+            except ChildProcessError:
+                pass
+    return reaped
+
+
+@dataclass
+class Runner:
+    """Starts commands under `limits` and remembers which pids are its own direct children."""
+
+    limits: CommandLimits
+    live: set[int] = field(default_factory=set)
+    # held from fork until the pid is in `live`, so the orphan reaper never mistakes a
+    # just-spawned child of ours (not yet tracked) for an orphan and steals its exit status
+    _spawn_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def reap(self) -> int:
+        async with self._spawn_lock:
+            return reap_orphans(frozenset(self.live))
+
+    async def sweep(self) -> int:
+        """Kill every process any command left behind (used by reset)."""
+        async with self._spawn_lock:
+            return kill_all_descendants(frozenset(self.live))
+
+    async def run(
+        self,
+        argv: list[str],
+        *,
+        cwd: str,
+        env: dict[str, str],
+        stdin: bytes | None,
+        timeout: float,
+        max_output_bytes: int,
+    ) -> ExecResult:
+        started = time.monotonic()
+        lim = self.limits
+        loop = asyncio.get_running_loop()
+        async with self._spawn_lock:
+            transport, protocol = await loop.subprocess_exec(
+                lambda: _ExitAwareProtocol(loop),
+                *argv,
+                cwd=cwd,
+                env=env,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                close_fds=True,
+                user=lim.uid,
+                group=lim.gid,
+                extra_groups=[] if lim.uid is not None else None,
+                preexec_fn=lambda: _child_setup(lim),
+            )
+            proc = asyncio.subprocess.Process(transport, protocol, loop)
+            self.live.add(proc.pid)
+        out, err = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
+        readers = [
+            asyncio.create_task(_drain(proc.stdout, out)),
+            asyncio.create_task(_drain(proc.stderr, err)),
+        ]
+        if stdin is not None:
+            readers.append(asyncio.create_task(_feed(proc.stdin, stdin)))
+        timed_out = False
+        killed = 0
+        try:
+            try:
+                # not proc.wait(): in 3.11 it also waits for the pipes, which a background
+                # job of the command can hold open for as long as it likes
+                await asyncio.wait_for(protocol.exited.wait(), timeout)
+            except asyncio.TimeoutError:
+                timed_out = True
+                killed = kill_tree(proc.pid)
+                await protocol.exited.wait()
+            # Background jobs of the command share its process group: they end with it, and
+            # their end closes the pipes so the readers below see EOF.
+            if not timed_out:
+                killed += kill_group(proc.pid)
+            remaining = max(0.5, timeout - (time.monotonic() - started))
+            done, pending = await asyncio.wait(readers, timeout=min(remaining, 5.0))
+            for task in pending:  # an escaped process still holds a pipe: stop reading
+                task.cancel()
+            if pending:
+                transport.close()
+            await proc.wait()
+        except BaseException:
+            kill_tree(proc.pid)
+            for task in readers:
+                task.cancel()
+            raise
+        finally:
+            self.live.discard(proc.pid)
+        marker = b"\n...[{n} bytes truncated]...\n"
+        return ExecResult(
+            exit_code=proc.returncode,
+            stdout=out.getvalue(marker),
+            stderr=err.getvalue(marker),
+            stdout_bytes=out.total,
+            stderr_bytes=err.total,
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+            timed_out=timed_out,
+            duration_seconds=time.monotonic() - started,
+            killed_processes=killed,
+        )
+
+
+class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Signals the process's exit on its own, apart from its pipes closing."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__(limit=_READ_CHUNK, loop=loop)
+        self.exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited.set()
+
+
+async def _drain(stream: asyncio.StreamReader, sink: CappedBuffer) -> None:
+    while True:
+        chunk = await stream.read(_READ_CHUNK)
+        if not chunk:
+            return
+        sink.write(chunk)
+
+
+async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        stream.write(data)
+        await stream.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        try:
+            stream.close()
+        except Exception:
+            pass

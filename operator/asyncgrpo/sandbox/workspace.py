@@ -1,0 +1,216 @@
+"""The sandbox's workspace: sessions, confined file access, and reset to the initial state.
+
+Layout: `<root>/<session>/` per session (default session `main`), each created on first
+use as a copy of the template directory (the task's initial files, baked into the image
+read-only). The G rollouts of a group share one sandbox but each uses its own session, so
+their files never collide; reset wipes every session, and the next use copies the
+template again.
+
+Confinement of the files API does not trust path strings: a path is split into plain
+components (no `..`, no absolute paths, no NUL) and opened one component at a time with
+`openat(..., O_NOFOLLOW)` from the session directory, so a symlink anywhere on the path is
+refused, and a symlink swapped in after a check cannot redirect the open (no check-then-use
+race). Commands themselves are not confined by this: the pod is their boundary.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import stat
+from dataclasses import dataclass
+
+SESSION_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+DEFAULT_SESSION = "main"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class PathRefused(ValueError):
+    """The path leaves the workspace, goes through a symlink, or is malformed."""
+
+
+def split_path(path: str) -> list[str]:
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise PathRefused("path must be a non-empty string without NUL bytes")
+    if path.startswith("/"):
+        raise PathRefused("path must be relative to the workspace")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if any(p == ".." for p in parts):
+        raise PathRefused("path must not contain '..'")
+    if not parts:
+        raise PathRefused("path names the workspace itself")
+    return parts
+
+
+@dataclass
+class Workspace:
+    root: str
+    template: str | None = None
+    uid: int | None = None  # owner of session files when the server runs as root
+    gid: int | None = None
+
+    def __post_init__(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        self._chown(self.root)
+
+    # sessions ---------------------------------------------------------------
+    def session_dir(self, session: str | None) -> str:
+        name = session or DEFAULT_SESSION
+        if not SESSION_RE.match(name) or name in (".", ".."):
+            raise PathRefused(f"invalid session name {name!r}")
+        path = os.path.join(self.root, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):  # a command replaced it with a symlink or file
+                raise PathRefused(f"session {name!r} is not a directory")
+        except FileNotFoundError:
+            self._create_session(path)
+        return path
+
+    def _create_session(self, path: str) -> None:
+        staging = f"{path}.creating-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        if self.template and os.path.isdir(self.template):
+            shutil.copytree(self.template, staging, symlinks=True)
+        else:
+            os.makedirs(staging)
+        self._chown_tree(staging)
+        try:
+            os.rename(staging, path)
+        except OSError as err:  # a concurrent request created it first
+            shutil.rmtree(staging, ignore_errors=True)
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+
+    def reset(self) -> None:
+        """Remove everything under the root; sessions come back from the template on use."""
+        for name in os.listdir(self.root):
+            _remove(os.path.join(self.root, name))
+
+    # confined file access ----------------------------------------------------
+    def _open_parent(self, session: str | None, parts: list[str], create: bool) -> int:
+        fd = os.open(self.session_dir(session), _DIR_FLAGS)
+        try:
+            for part in parts[:-1]:
+                try:
+                    nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    self._fchown(nfd)
+                except OSError as err:
+                    if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise PathRefused(f"{part!r} is a symlink or not a directory") from err
+                    raise
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def read(self, session: str | None, path: str, max_bytes: int) -> tuple[bytes, int]:
+        """Return (up to max_bytes of the file, its full size)."""
+        parts = split_path(path)
+        dfd = self._open_parent(session, parts, create=False)
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise PathRefused(f"{path!r} is a symlink") from err
+            raise
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise PathRefused(f"{path!r} is not a regular file")
+            chunks, got = [], 0
+            while got < max_bytes:
+                chunk = os.read(fd, min(1 << 20, max_bytes - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+            return b"".join(chunks), st.st_size
+        finally:
+            os.close(fd)
+
+    def write(self, session: str | None, path: str, data: bytes, mode: int = 0o644) -> int:
+        parts = split_path(path)
+        dfd = self._open_parent(session, parts, create=True)
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            try:
+                fd = os.open(parts[-1], flags, mode & 0o777, dir_fd=dfd)
+            except OSError as err:
+                if err.errno == errno.ELOOP:
+                    raise PathRefused(f"{path!r} is a symlink") from err
+                if err.errno == errno.EISDIR:
+                    raise PathRefused(f"{path!r} is a directory") from err
+                raise
+        finally:
+            os.close(dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PathRefused(f"{path!r} is not a regular file")
+            self._fchown(fd)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            return len(data)
+        finally:
+            os.close(fd)
+
+    # ownership when running as root -------------------------------------------
+    def _chown(self, path: str) -> None:
+        if self.uid is not None:
+            os.chown(path, self.uid, self.gid if self.gid is not None else -1, follow_symlinks=False)
+
+    def _fchown(self, fd: int) -> None:
+        if self.uid is not None:
+            os.fchown(fd, self.uid, self.gid if self.gid is not None else -1)
+
+    def _chown_tree(self, top: str) -> None:
+        if self.uid is None:
+            return
+        self._chown(top)
+        for base, dirs, files in os.walk(top):
+            for name in dirs + files:
+                self._chown(os.path.join(base, name))
+
+
+def _remove(path: str) -> None:
+    """Delete a tree a hostile command may have made hard to delete (chmod 000 dirs)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+
+    def fix_and_retry(func, p, _exc):
+        parent = os.path.dirname(p)
+        try:
+            os.chmod(parent, 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+            func(p)
+        except FileNotFoundError:
+            pass
+
+    os.chmod(path, 0o700)
+    for base, dirs, _files in os.walk(path):
+        for d in dirs:
+            full = os.path.join(base, d)
+            if not os.path.islink(full):
+                try:
+                    os.chmod(full, 0o700)
+                except OSError:
+                    pass
+    shutil.rmtree(path, onerror=fix_and_retry)

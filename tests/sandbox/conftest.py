@@ -1,0 +1,125 @@
+"""Sandbox servers and gateways as real processes on loopback, started and ended here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, wait_for_port
+
+TOKEN = "sandbox-test-token-0123456789"
+GW_TOKEN = "gateway-test-token-9876543210"
+
+
+class Proc:
+    def __init__(self, args: list[str], env: dict, log: Path, port: int, **popen):
+        self.args, self.env, self.log_path, self.port, self.popen = args, env, log, port, popen
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, **self.popen)
+        wait_for_port(self.port, proc=self.proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the server and everything it started (its session)."""
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def logs(self) -> str:
+        return self.log_path.read_text()
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "asyncgrpo.cli"]
+
+
+def start_sandbox(tmp: Path, name: str = "sb", *extra: str, port: int | None = None, env: dict | None = None,
+                  **popen) -> Proc:
+    port = port or free_port()
+    ws = tmp / f"{name}-ws"
+    args = [*_cli(), "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port), "--workspace", str(ws),
+            *extra]
+    e = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, **(env or {})}
+    p = Proc(args, e, tmp / f"{name}.log", port, **popen)
+    p.workspace = ws
+    return p
+
+
+def start_gateway(tmp: Path, members: list[str], *extra: str, name: str = "gw") -> Proc:
+    port = free_port()
+    args = [*_cli(), "gateway", "--host", "127.0.0.1", "--port", str(port), "--members", ",".join(members),
+            *extra]
+    e = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN}
+    return Proc(args, e, tmp / f"{name}.log", port)
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
+    """Poll until true; the deadline only bounds a hang, no assertion depends on timing."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached within {timeout}s")
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    p = start_sandbox(tmp_path, "sb", "--max-procs", "128", "--max-output-bytes", "65536")
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def client(sandbox):
+    with httpx.Client(base_url=sandbox.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def pool_of_three(tmp_path):
+    sbs = [start_sandbox(tmp_path, f"sb{i}") for i in range(3)]
+    gw = start_gateway(tmp_path, [s.url for s in sbs], "--lease-ttl-seconds", "2",
+                       "--health-interval-seconds", "0.3", "--health-failures", "2")
+    yield gw, sbs
+    gw.stop()
+    for s in sbs:
+        s.stop()
+
+
+def gw_client(gw: Proc) -> httpx.Client:
+    return httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {GW_TOKEN}"}, timeout=120)
+
+
+def warm_count(gw: Proc) -> int:
+    return httpx.get(f"{gw.url}/v1/demand", timeout=10).json()["idle"]

@@ -1,0 +1,51 @@
+"""`asyncgrpo tree verify|bench` through the real CLI entry point."""
+
+import json
+
+from asyncgrpo.cli import main
+from asyncgrpo.trainer.tree.rollout import dump_rollouts, load_rollouts
+from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_verify_passes_and_reports_what_it_compared(tmp_path, capsys):
+    path = tmp_path / "rollouts.jsonl"
+    dump_rollouts(synthetic_rollouts(groups=2, generations=3, prompt=16, completion=8, turns=2), path)
+    assert load_rollouts(path)[0].group_id == "group-0"
+    assert main(["tree", "verify", str(path), "--model", "moe", "--ranks", "2", "--budget", "64"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["ok"] and result["dropped"] == 0 and result["rollouts"] == 12
+    assert result["tokens_forwarded"] < result["tokens_raw"]
+    assert len(result["rank_tokens"]) == 2
+    for key in ("max_logprob_abs_diff", "loss_abs_diff", "max_grad_abs_diff", "max_grad_rel_diff"):
+        assert 0 <= result[key] <= 1e-4
+
+
+def test_verify_rejects_a_budget_smaller_than_a_rollout(tmp_path, capsys):
+    path = tmp_path / "rollouts.jsonl"
+    dump_rollouts(synthetic_rollouts(groups=1, generations=2, prompt=16, completion=8), path)
+    assert main(["tree", "verify", str(path), "--budget", "10"]) == 2
+    assert "exceed the per-rank token budget of 10" in capsys.readouterr().err
+
+
+def test_verify_reports_a_malformed_line(tmp_path, capsys):
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text('{"group_id": "g", "input_ids": [1, 2], "completion_mask": [0], "advantage": 1}\n')
+    assert main(["tree", "verify", str(path)]) == 2
+    assert "rollouts.jsonl:1" in capsys.readouterr().err
+
+
+def test_bench_prints_a_table_and_a_json_line(capsys):
+    argv = ["tree", "bench", "--groups", "1", "--generations", "3", "--prompt", "32", "--completion", "8",
+            "--repeats", "1", "--threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    result = last_json(out)
+    assert "speedup" in out.splitlines()[-2]
+    for key in ("tree_s", "sequence_s", "speedup", "ideal_speedup", "efficiency", "tree_peak_mb",
+                "sequence_peak_mb"):
+        assert result[key] > 0
+    assert result["ideal_speedup"] == (3 * 40) / (32 + 3 * 8)

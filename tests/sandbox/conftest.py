@@ -109,7 +109,7 @@ def client(sandbox):
 @pytest.fixture
 def pool_of_three(tmp_path):
     sbs = [start_sandbox(tmp_path, f"sb{i}") for i in range(3)]
-    gw = start_gateway(tmp_path, [s.url for s in sbs], "--lease-ttl-seconds", "2",
+    gw = start_gateway(tmp_path, [s.url for s in sbs], "--lease-ttl-seconds", "30",
                        "--health-interval-seconds", "0.3", "--health-failures", "2")
     yield gw, sbs
     gw.stop()

@@ -1,0 +1,217 @@
+"""The gateway and several sandbox servers as real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from tests.sandbox.conftest import GW_TOKEN, gw_client, start_gateway, start_sandbox, wait_until
+
+
+def demand(gw) -> dict:
+    return httpx.get(f"{gw.url}/v1/demand", timeout=10).json()
+
+
+def all_warm(gw, n: int) -> None:
+    wait_until(lambda: demand(gw)["members"] and list(demand(gw)["members"].values()) == ["warm"] * n,
+               30, what=f"{n} warm sandboxes")
+
+
+@pytest.fixture
+def one_sandbox(tmp_path):
+    sb = start_sandbox(tmp_path, "solo")
+    gw = start_gateway(tmp_path, [sb.url], "--lease-ttl-seconds", "2", "--health-interval-seconds", "0.3")
+    all_warm(gw, 1)
+    yield gw, sb
+    gw.stop()
+    sb.stop()
+
+
+def test_group_shares_one_lease_and_the_next_group_gets_a_reset_sandbox(one_sandbox):
+    gw, _ = one_sandbox
+    with gw_client(gw) as c:
+        first = c.post("/v1/leases", json={"group_id": "g1"}).json()
+        second = c.post("/v1/leases", json={"group_id": "g1"}).json()
+        assert second["lease_id"] == first["lease_id"] and second["joined"] and second["holders"] == 2
+        lid = first["lease_id"]
+        c.post(f"/v1/leases/{lid}/files/write", json={"path": "notes.txt", "content": "from rollout 0"})
+        seen = c.post(f"/v1/leases/{lid}/exec", json={"command": "cat notes.txt"}).json()
+        assert seen["stdout"] == "from rollout 0"
+        assert c.delete(f"/v1/leases/{lid}").json() == {"lease_id": lid, "ended": False, "holders": 1}
+        assert c.delete(f"/v1/leases/{lid}").json()["ended"] is True
+        gone = c.post(f"/v1/leases/{lid}/exec", json={"command": "true"})
+        assert gone.status_code == 410 and gone.json()["error"] == "lease_released"
+        nxt = c.post("/v1/leases", json={"group_id": "g2", "wait_seconds": 30}).json()
+        assert nxt["sandbox"] == first["sandbox"] and nxt["lease_id"] != lid
+        after = c.post(f"/v1/leases/{nxt['lease_id']}/exec", json={"command": "ls -A"}).json()
+        assert after["stdout"] == ""  # the previous group's files were reset away
+        c.delete(f"/v1/leases/{nxt['lease_id']}")
+
+
+def test_groups_get_distinct_sandboxes_and_wait_when_none_is_free(pool_of_three):
+    gw, sbs = pool_of_three
+    all_warm(gw, 3)
+    with gw_client(gw) as c:
+        leases = [c.post("/v1/leases", json={"group_id": f"g{i}"}).json() for i in range(3)]
+        assert len({lease["sandbox"] for lease in leases}) == 3
+        full = c.post("/v1/leases", json={"group_id": "late", "wait_seconds": 0.2})
+        assert full.status_code == 503 and full.json()["error"] == "no_sandbox"
+        got: dict = {}
+        waiter = threading.Thread(target=lambda: got.update(
+            c.post("/v1/leases", json={"group_id": "late", "wait_seconds": 60}).json()))
+        waiter.start()
+        wait_until(lambda: demand(gw)["waiting"] == 1, 10, what="one waiting lease request")
+        d = demand(gw)
+        assert (d["busy"], d["idle"], d["waiting"]) == (3, 0, 1)
+        c.delete(f"/v1/leases/{leases[1]['lease_id']}")
+        waiter.join(30)
+        assert got["sandbox"] == leases[1]["sandbox"] and got["joined"] is False
+        metrics = httpx.get(f"{gw.url}/metrics").text
+        assert 'asyncgrpo_gateway_lease_wait_seconds_count{start="cold"} 1.0' in metrics
+        assert 'asyncgrpo_gateway_lease_wait_seconds_count{start="warm"} 3.0' in metrics
+        assert 'asyncgrpo_gateway_lease_wait_timeouts_total 1.0' in metrics
+        for lease in (leases[0], leases[2], got):
+            c.delete(f"/v1/leases/{lease['lease_id']}")
+        all_warm(gw, 3)
+        assert demand(gw)["leases_active"] == 0
+
+
+ROLLOUT = r"""
+import sys, time
+from asyncgrpo.sandbox.client import GatewayClient, Heartbeats
+c = GatewayClient(sys.argv[1], sys.argv[2])
+lease = c.lease("crashy-group")
+Heartbeats.for_client(c, 0.3).add(lease.lease_id)
+c.exec(lease.lease_id, "echo hi > proof.txt")
+print(lease.lease_id, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_killed_rollouts_lease_expires_and_the_sandbox_comes_back(one_sandbox):
+    gw, _ = one_sandbox
+    proc = subprocess.Popen([sys.executable, "-c", ROLLOUT, gw.url, GW_TOKEN], stdout=subprocess.PIPE, text=True)
+    try:
+        lease_id = proc.stdout.readline().strip()
+        assert lease_id
+        # heartbeats keep it: the lease outlives several TTLs while the rollout lives
+        with gw_client(gw) as c:
+            pool = c.get("/v1/pool").json()
+            assert [lease["lease_id"] for lease in pool["leases"]] == [lease_id]
+            for _ in range(3):
+                before = demand(gw)["leases_active"]
+                threading.Event().wait(1.0)  # 3 s in all: more than the 2 s TTL
+                assert before == demand(gw)["leases_active"] == 1
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: demand(gw)["leases_active"] == 0, 20, what="lease taken back")
+        all_warm(gw, 1)
+        with gw_client(gw) as c:
+            r = c.post(f"/v1/leases/{lease_id}/exec", json={"command": "true"})
+            assert r.status_code == 410 and r.json()["error"] == "lease_expired"
+            fresh = c.post("/v1/leases", json={"group_id": "next"}).json()
+            assert c.post(f"/v1/leases/{fresh['lease_id']}/exec", json={"command": "ls"}).json()["stdout"] == ""
+        assert 'asyncgrpo_gateway_leases_ended_total{how="expired"} 1.0' in httpx.get(f"{gw.url}/metrics").text
+    finally:
+        proc.kill()
+
+
+def test_a_sandbox_that_dies_mid_exec_is_reported_and_replaced(pool_of_three, tmp_path):
+    gw, sbs = pool_of_three
+    all_warm(gw, 3)
+    with gw_client(gw) as c:
+        lease = c.post("/v1/leases", json={"group_id": "doomed"}).json()
+        victim = next(s for s in sbs if s.url.endswith(lease["sandbox"]))
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(r=c.post(
+            f"/v1/leases/{lease['lease_id']}/exec", json={"command": "echo started > s; sleep 60"})))
+        t.start()
+        wait_until(lambda: os.path.exists(victim.workspace / "main" / "s"), 20, what="exec started")
+        victim.kill()
+        t.join(60)
+        r = result["r"]
+        assert r.status_code == 502 and r.json()["error"] == "sandbox_lost"
+        assert r.json()["sandbox"] == lease["sandbox"]
+        again = c.post(f"/v1/leases/{lease['lease_id']}/exec", json={"command": "true"})
+        assert again.status_code == 410 and again.json()["error"] == "sandbox_lost"
+        d = demand(gw)
+        assert d["unhealthy_members"] == [lease["sandbox"]] and d["idle"] == 2
+        # the group leases again and lands on a healthy sandbox
+        retry = c.post("/v1/leases", json={"group_id": "doomed"}).json()
+        assert retry["sandbox"] != lease["sandbox"]
+        assert c.post(f"/v1/leases/{retry['lease_id']}/exec", json={"command": "echo ok"}).json()["stdout"] == "ok\n"
+        c.delete(f"/v1/leases/{retry['lease_id']}")
+        # a replacement process on the same address rejoins after passing health and reset
+        victim.start()
+        all_warm(gw, 3)
+        metrics = httpx.get(f"{gw.url}/metrics").text
+        assert 'asyncgrpo_gateway_sandbox_failures_total{reason="lost"} 1.0' in metrics
+        assert 'asyncgrpo_gateway_leases_ended_total{how="broken"} 1.0' in metrics
+
+
+def test_an_idle_sandbox_failing_health_is_taken_out(pool_of_three):
+    gw, sbs = pool_of_three
+    all_warm(gw, 3)
+    sbs[2].kill()
+    name = sbs[2].url.split("//")[1]
+    wait_until(lambda: demand(gw)["unhealthy_members"] == [name], 20, what="member reported unhealthy")
+    with gw_client(gw) as c:
+        leases = [c.post("/v1/leases", json={"group_id": f"g{i}"}).json() for i in range(2)]
+        assert name not in {lease["sandbox"] for lease in leases}
+        assert c.post("/v1/leases", json={"group_id": "g3", "wait_seconds": 0.1}).status_code == 503
+    assert 'asyncgrpo_gateway_sandboxes{state="unhealthy"} 1.0' in httpx.get(f"{gw.url}/metrics").text
+
+
+def test_gateway_auth_demand_and_drain(pool_of_three):
+    gw, sbs = pool_of_three
+    all_warm(gw, 3)
+    for headers in ({}, {"authorization": "Bearer nope"}):
+        assert httpx.post(f"{gw.url}/v1/leases", json={"group_id": "x"}, headers=headers).status_code == 401
+        assert httpx.get(f"{gw.url}/v1/pool", headers=headers).status_code == 401
+    d = demand(gw)
+    assert {k: d[k] for k in ("busy", "idle", "waiting", "starting", "unhealthy", "total")} == {
+        "busy": 0, "idle": 3, "waiting": 0, "starting": 0, "unhealthy": 0, "total": 3}
+    with gw_client(gw) as c:
+        assert c.post("/v1/leases", content=b"{oops").status_code == 400
+        assert c.post("/v1/leases", json={"group_id": ""}).status_code == 422
+        assert c.post("/v1/leases", content=json.dumps({"group_id": "g", "x": "y" * (17 << 20)})).status_code == 413
+        lease = c.post("/v1/leases", json={"group_id": "g"}).json()
+        busy = c.post(f"/v1/members/{lease['sandbox']}/drain").json()
+        assert busy["safe_to_delete"] is False
+        idle_name = next(n for n, s in demand(gw)["members"].items() if s == "warm")
+        assert c.post(f"/v1/members/{idle_name}/drain").json()["safe_to_delete"] is True
+        c.delete(f"/v1/leases/{lease['lease_id']}")
+        wait_until(lambda: demand(gw)["members"][lease["sandbox"]] == "draining", 20, what="drained after release")
+        assert demand(gw)["idle"] == 1
+
+
+@pytest.mark.slow
+def test_500_concurrent_execs_through_the_gateway(pool_of_three):
+    import asyncio
+
+    gw, _ = pool_of_three
+    all_warm(gw, 3)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": f"Bearer {GW_TOKEN}"},
+                                     timeout=300, limits=httpx.Limits(max_connections=600)) as c:
+            leases = [(await c.post("/v1/leases", json={"group_id": f"g{i}"})).json()["lease_id"] for i in range(3)]
+
+            async def one(i):
+                r = await c.post(f"/v1/leases/{leases[i % 3]}/exec", json={"command": f"echo {i}"})
+                return r.json()["stdout"]
+
+            out = await asyncio.gather(*(one(i) for i in range(500)))
+            for lid in leases:
+                await c.delete(f"/v1/leases/{lid}")
+            return out
+
+    assert asyncio.run(run()) == [f"{i}\n" for i in range(500)]
+    all_warm(gw, 3)
+    assert demand(gw)["leases_active"] == 0

@@ -213,3 +213,17 @@ def test_retries_until_the_server_comes_up(s3_env, tmp_path):
             p.terminate()
             p.wait(timeout=10)
         log.close()
+
+
+def test_large_files_go_through_the_transfer_manager(store, adapters, tmp_path, monkeypatch):
+    """Files above the single-request size use boto3's multipart transfer; same result."""
+    import asyncgrpo.adapters.store as store_module
+
+    monkeypatch.setattr(store_module, "SINGLE_REQUEST_BYTES", 1000)
+    store.client = RecordingClient(store.client)
+    store.publish(adapters[1], 1, step=1)
+    assert ("upload_file", store.version_prefix(1) + "adapter_model.safetensors") in store.client.calls
+    dest, _ = store.fetch(1, tmp_path / "v1")
+    assert ("download_file", "") in store.client.calls
+    assert (dest / "adapter_model.safetensors").read_bytes() == \
+        (adapters[1] / "adapter_model.safetensors").read_bytes()

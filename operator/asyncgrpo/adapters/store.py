@@ -47,6 +47,9 @@ MANIFEST_FORMAT = "asyncgrpo.adapter/v1"
 #: The served name of version N is f"{DEFAULT_NAME_PREFIX}{N}".
 DEFAULT_NAME_PREFIX = "policy-v"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+#: Files up to this size go in one PUT/GET; larger ones through boto3's multipart transfer
+#: manager (whose thread pool costs more than a small file's whole transfer).
+SINGLE_REQUEST_BYTES = 8 * 1024 * 1024
 _T = TypeVar("_T")
 
 
@@ -475,7 +478,13 @@ class AdapterStore:
         for path, rel in zip(files, rels):
             entries[rel] = FileEntry(sha256_file(path), path.stat().st_size)
             key = vprefix + rel
-            self._call("put", key, lambda p=path, k=key: self.client.upload_file(str(p), self.bucket, k))
+            if entries[rel].size <= SINGLE_REQUEST_BYTES:
+                data = path.read_bytes()
+                self._call("put", key, lambda k=key, d=data: self.client.put_object(
+                    Bucket=self.bucket, Key=k, Body=d))
+            else:
+                self._call("put", key, lambda p=path, k=key: self.client.upload_file(
+                    str(p), self.bucket, k))
         manifest = Manifest(
             run=self.run,
             version=version,
@@ -540,9 +549,13 @@ class AdapterStore:
             target = into / rel
             target.parent.mkdir(parents=True, exist_ok=True)
 
-            def get(k=key, t=target) -> bool:
+            def get(k=key, t=target, small=entry.size <= SINGLE_REQUEST_BYTES) -> bool:
                 try:
-                    self.client.download_file(self.bucket, k, str(t))
+                    if small:
+                        body = self.client.get_object(Bucket=self.bucket, Key=k)["Body"].read()
+                        t.write_bytes(body)
+                    else:
+                        self.client.download_file(self.bucket, k, str(t))
                     return True
                 except ClientError as e:
                     if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):

@@ -1,0 +1,116 @@
+"""The TRL 1.16.0 seam: TRL's own compute_loss on our packed rows equals unpacked training."""
+
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
+from asyncgrpo.trainer.tree.trl_integration import (
+    BATCH_FIELDS, TreeBatcher, TreeCollator, check_trl_version, install_tree_packing, tree_compute_loss,
+)
+from asyncgrpo.trainer.tree.verify import _set_attention, reference_log_probs
+from asyncgrpo.trainer.tree.loss import grpo_loss
+
+
+def trl_samples(groups=2, generations=3, seed=0):
+    """Samples shaped as TRL's RolloutQueueDataset yields them (tensors, per-token old log-probs)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for r in synthetic_rollouts(groups, generations, prompt=20, completion=8, turns=2, seed=seed):
+        n = len(r)
+        samples.append({
+            "input_ids": torch.tensor(r.input_ids),
+            "completion_mask": torch.tensor(r.completion_mask),
+            "old_log_probs": -6.2 + 0.5 * torch.randn(n, generator=g),
+            "advantage": r.advantage,
+            "group_id": r.group_id,
+            "metrics": {"reward": float(r.advantage)},
+        })
+    return samples
+
+
+def trl_trainer_state():
+    """The attributes TRL's compute_loss reads, around a real single-process Accelerator."""
+    return types.SimpleNamespace(
+        epsilon_low=0.2, epsilon_high=0.2, accelerator=Accelerator(cpu=True),
+        current_gradient_accumulation_steps=1, aux_loss_enabled=False, router_aux_loss_coef=0.0,
+        _metrics={"train": defaultdict(list)}, _step_forward_tokens=0.0, _step_trained_tokens=0.0,
+        _step_seq_len_weighted=0.0, _step_samples=0.0, _step_forward_s=0.0,
+    )
+
+
+@pytest.fixture
+def trl_model():
+    """A tiny Qwen3 prepared as TRL's trainer prepares it (fused head, LoRA), then our install."""
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    from asyncgrpo.trainer.tiny import tiny_model
+
+    model = tiny_model("dense", seed=5)
+    add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+    torch.manual_seed(6)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    install_tree_packing(model)
+    return model
+
+
+def test_pinned_trl_version():
+    check_trl_version()
+
+
+def test_trl_loss_on_packed_rows_equals_unpacked(trl_model):
+    samples = trl_samples()
+    (micro,) = TreeBatcher(samples, num_processes=1, token_budget=4096, samples_per_plan=len(samples))
+    metrics = defaultdict(list)
+    batch = TreeCollator(pad_token_id=0, num_processes=1, metrics=metrics)([micro])
+    assert set(batch) == set(BATCH_FIELDS)
+
+    trainer = trl_trainer_state()
+    loss = tree_compute_loss(trainer, trl_model, batch)
+    loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in trl_model.named_parameters() if p.requires_grad}
+    trl_model.zero_grad(set_to_none=True)
+
+    _set_attention(trl_model, "sdpa")
+    total = sum(int(s["completion_mask"].sum()) for s in samples)
+    ref_loss = 0.0
+    for s in samples:
+        from asyncgrpo.trainer.tree.trl_integration import rollout_from_sample
+
+        r = rollout_from_sample(s)
+        lp = reference_log_probs(trl_model, r, "cpu")
+        trained = s["completion_mask"].bool()
+        part = grpo_loss(lp, s["old_log_probs"][trained], torch.full_like(lp, r.advantage), 0.2, 0.2, total)
+        part.backward()
+        ref_loss += part.item()
+    _set_attention(trl_model, "asyncgrpo_tree")
+
+    assert loss.item() == pytest.approx(ref_loss, abs=2e-6)
+    for name, g in packed_grads.items():
+        ref = dict(trl_model.named_parameters())[name].grad
+        torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-4)
+    # TRL's own metrics came out of its code path, and ours from the collator.
+    assert trainer._metrics["train"]["ratio"] and trainer._step_trained_tokens == total
+    assert metrics["tree/compression_ratio"][0] > 1.0 and metrics["reward"]
+
+
+def test_collator_gives_every_rank_a_row_and_fillers_an_inert_term():
+    samples = trl_samples(groups=1, generations=1)[:1]
+    (micro,) = TreeBatcher(samples, num_processes=3, token_budget=4096, samples_per_plan=1)
+    batch = TreeCollator(pad_token_id=0, num_processes=3)([micro])
+    assert batch["attention_mask"].sum(1).min() >= 1
+    assert batch["global_n_tokens"].tolist() == [float(samples[0]["completion_mask"].sum())] * 3
+    assert (batch["tree_pred_pos"][1:] >= 0).sum(1).tolist() == [1, 1]
+    assert batch["advantages"][1:, 0].tolist() == [0.0, 0.0]
+
+
+def test_trl_fused_head_still_serves_calls_without_a_tree(trl_model):
+    _set_attention(trl_model, "sdpa")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out = trl_model(input_ids=ids, shift_labels=torch.tensor([[2, 3, 4, -100]]), fused_lm_head=True)
+    assert out.log_probs.shape == (1, 4)
+    _set_attention(trl_model, "asyncgrpo_tree")

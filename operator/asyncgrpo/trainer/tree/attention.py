@@ -51,7 +51,9 @@ def segment_attention(query, key, value, layout: TreeLayout, scaling: float | No
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # Default (automatic) dynamic shapes: rows change length every micro-batch, so after the
+    # first recompilation the kernel is shape-generic instead of recompiling per length.
+    return torch.compile(flex_attention)
 
 
 def flex_tree_attention(query, key, value, layout: TreeLayout, scaling: float | None,

@@ -129,6 +129,8 @@ def format_table(result: dict) -> str:
         (f"memory ({result['memory_kind']}, MiB)", f"{result['sequence_peak_mb']:.1f}",
          f"{result['tree_peak_mb']:.1f}"),
     ]
+    if "trl_fa3_s" in result:
+        rows.append(("TRL tree_fa3 fwd+bwd (s)", "", f"{result['trl_fa3_s']:.4f}"))
     width = max(len(r[0]) for r in rows)
     lines = [f"{a:<{width}}  {b:>14}  {c:>14}" for a, b, c in rows]
     lines.append(

@@ -52,6 +52,8 @@ def register(subparsers) -> None:
     bench.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     bench.add_argument("--model-config", default="{}",
                        help="JSON overrides of the tiny config, e.g. a Qwen3-0.6B shape on GPU")
+    bench.add_argument("--compare-trl-fa3", action="store_true",
+                       help="also time TRL's own TreeRow + tree_fa3 path (CUDA, needs the hub kernel)")
     bench.set_defaults(func=_bench)
 
 
@@ -85,6 +87,25 @@ def _bench(args: argparse.Namespace) -> int:
         completion=args.completion, turns=args.turns, device=args.device, repeats=args.repeats,
         dtype=getattr(torch, args.dtype), model_overrides=json.loads(args.model_config),
     )
+    if args.compare_trl_fa3:
+        result.update(_trl_fa3(args))
+        if "trl_fa3_s" in result:
+            result["speedup_vs_trl_fa3"] = result["trl_fa3_s"] / result["tree_s"]
     print(format_table(result))
     print(json.dumps(result))
     return 0
+
+
+def _trl_fa3(args: argparse.Namespace) -> dict:
+    """TRL's path where it runs; otherwise the reason it could not, never a failed benchmark."""
+    import torch
+
+    from .synthetic import synthetic_rollouts
+    from .trl_fa3 import run_trl_fa3
+
+    rollouts = synthetic_rollouts(args.groups, args.generations, args.prompt, args.completion, args.turns)
+    try:
+        return run_trl_fa3(args.model, rollouts, args.device, args.repeats, getattr(torch, args.dtype),
+                           model_overrides=json.loads(args.model_config))
+    except Exception as err:  # noqa: BLE001 - any failure to fetch or run the kernel is a skip
+        return {"trl_fa3_skipped": f"{type(err).__name__}: {err}"[:300]}

@@ -128,3 +128,14 @@ def test_corrupt_and_partial_versions_refused_previous_keeps_serving(
     run_store.publish(adapters[2], 3, step=3)
     status, body = vllm_server.completion(f"{run_store.run}/policy-v3", [5, 6, 7], max_tokens=2)
     assert status == 200, body
+
+
+def test_chat_template_served_with_adapter(vllm_server, run_store, adapters):
+    """vLLM (its own older transformers) reads the tiny tokenizer and TRL's Qwen3 template."""
+    run_store.publish(adapters[1], 1, step=1)
+    status, body = vllm_server.request("POST", "/v1/chat/completions", {
+        "model": f"{run_store.run}/policy-v1",
+        "messages": [{"role": "user", "content": "What is 7 * 8?"}],
+        "max_tokens": 4, "temperature": 0.0})
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] > 5

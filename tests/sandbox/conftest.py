@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +17,14 @@ import pytest
 from tests.conftest import free_port, wait_for_port
 
 TOKEN = "sandbox-test-token-0123456789"
+_BASES: list[Path] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _remove_workspaces():
+    yield
+    for base in _BASES:
+        shutil.rmtree(base, ignore_errors=True)
 GW_TOKEN = "gateway-test-token-9876543210"
 
 
@@ -65,7 +75,12 @@ def _cli() -> list[str]:
 def start_sandbox(tmp: Path, name: str = "sb", *extra: str, port: int | None = None, env: dict | None = None,
                   **popen) -> Proc:
     port = port or free_port()
-    ws = tmp / f"{name}-ws"
+    # commands run as another uid (server as root): the workspace must be reachable by path,
+    # and pytest's tmp_path lives under a root-only directory
+    base = Path(tempfile.mkdtemp(prefix=f"asyncgrpo-{name}-"))
+    base.chmod(0o711)
+    _BASES.append(base)
+    ws = base / "ws"
     args = [*_cli(), "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port), "--workspace", str(ws),
             *extra]
     e = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, **(env or {})}

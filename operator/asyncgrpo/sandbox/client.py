@@ -20,6 +20,9 @@ GATEWAY_URL_ENV = "ASYNCGRPO_GATEWAY_URL"
 GATEWAY_TOKEN_ENV = "ASYNCGRPO_GATEWAY_TOKEN"
 
 
+_LEASE_GONE = frozenset({"lease_released", "lease_expired", "lease_unknown", "sandbox_lost"})
+
+
 class SandboxError(RuntimeError):
     def __init__(self, status: int, error: str, detail: str = ""):
         super().__init__(f"{status} {error}: {detail}" if detail else f"{status} {error}")
@@ -47,7 +50,7 @@ def _raise_for(r: httpx.Response) -> dict:
         body = body["detail"]  # FastAPI wraps handler errors in "detail"
     error, detail = str(body.get("error", "http_error")), body.get("detail", "")
     detail = detail if isinstance(detail, str) else str(detail)
-    if r.status_code in (404, 410) or error == "sandbox_lost":
+    if error in _LEASE_GONE:
         raise LeaseLost(r.status_code, error, detail)
     if r.status_code == 503 and error == "no_sandbox":
         raise NoSandbox(r.status_code, error, detail)

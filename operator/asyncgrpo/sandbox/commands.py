@@ -119,6 +119,8 @@ def serve_sandbox(args: argparse.Namespace) -> int:
         uid=args.command_uid if as_root else None,
         gid=args.command_gid if as_root else None,
     )
+    if limits.uid is not None:
+        _check_traversable(args.workspace, limits.uid, limits.gid)
     hardening = harden_server_process()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     logging.getLogger("asyncgrpo.sandbox").info(
@@ -140,6 +142,33 @@ def serve_sandbox(args: argparse.Namespace) -> int:
         limits=limits,
     )
     return _uvicorn_run(create_app(settings), args.host, args.port)
+
+
+def _check_traversable(path: str, uid: int, gid: int | None) -> None:
+    """Refuse to start when commands (another uid) could not reach the workspace by path.
+
+    The server enters the session directory for them, so `ls` would work while every
+    absolute path (Python's sys.path, `cd $HOME`) fails; better a clear error at start.
+    """
+    import stat
+
+    current = os.path.dirname(os.path.abspath(path))
+    while True:
+        try:
+            st = os.stat(current)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            ok = (st.st_mode & stat.S_IXOTH) or (st.st_uid == uid and st.st_mode & stat.S_IXUSR) or (
+                gid is not None and st.st_gid == gid and st.st_mode & stat.S_IXGRP)
+            if not ok:
+                raise SystemExit(f"sandbox: commands run as uid {uid} cannot traverse {current} "
+                                 f"(mode {stat.filemode(st.st_mode)}) to reach the workspace {path}; "
+                                 "put the workspace under world-traversable directories")
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
 
 
 def serve_gateway(args: argparse.Namespace) -> int:

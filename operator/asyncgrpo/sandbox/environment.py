@@ -1,0 +1,339 @@
+"""The multi-turn harness environment for TRL's AsyncGRPOTrainer (`environment_factory`).
+
+How TRL uses it (trl 1.16.0, `async_rollout_worker.py`): the factory is pickled into the
+rollout child; it makes one environment per rollout in flight and reuses them; before each
+rollout it calls `reset(**row)`; every public method but `reset`/`get_reward` is a tool the
+model may call (name, type hints and Google docstring become the tool schema); when a
+rollout ends it calls `get_reward()` once. The G rollouts of a group are drawn one after
+another, and their resets are awaited in that order, so the k-th reset of the process
+belongs to group k // G.
+
+What this environment adds:
+- one sandbox lease per group, taken at the group's first tool call and released when all
+  G rollouts have ended (their `get_reward`); heartbeats keep it while the model thinks,
+  and if the process dies the gateway takes it back after the lease TTL;
+- each rollout works in its own session (directory) of the shared sandbox, seeded from the
+  row's `files`, so rollouts of a group never see each other's edits;
+- tool results are plain text without timings, so identical calls give identical results
+  and the group's conversations keep identical prefixes for tree packing;
+- `get_reward()` runs the row's `test_command` in the rollout's session and scores it with
+  `rewards.score_test_run` (None when the row has no tests: not a reward source then).
+
+Failures a model can cause come back as tool results (non-zero exit, timeout, refused
+path); a lost sandbox comes back as a tool result too (the next call gets a fresh one,
+seeded again from the row); only "no sandbox at all within the wait" raises, which TRL
+turns into an error result and counts as a tool failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from asyncgrpo.sandbox.client import GatewayClient, Heartbeats, LeaseLost, NoSandbox, SandboxError
+from asyncgrpo.sandbox.rewards import score_test_run
+
+TOOL_NAMES = ("shell", "python", "read_file", "write_file")
+_LOST = "error: the sandbox was lost and its files with it; the next call starts a fresh sandbox"
+
+
+@dataclass(frozen=True)
+class SandboxEnvConfig:
+    """Settings of the harness; everything here is picklable (no clients, no secrets)."""
+
+    num_generations: int = field(metadata={"help": "G: rollouts per group (TRL's num_generations)."})
+    tools: tuple[str, ...] = field(default=TOOL_NAMES, metadata={"help": "Tools offered to the model."})
+    gateway_url: str | None = field(default=None, metadata={"help": "Gateway URL; default ASYNCGRPO_GATEWAY_URL."})
+    timeout_seconds: float = field(default=60.0, metadata={"help": "Timeout of one shell/python call."})
+    max_output_bytes: int = field(default=8192, metadata={"help": "Output kept per stream for the model."})
+    max_read_bytes: int = field(default=16384, metadata={"help": "Most bytes read_file returns."})
+    lease_wait_seconds: float = field(default=300.0, metadata={"help": "Longest wait for a free sandbox."})
+    heartbeat_seconds: float = field(default=10.0, metadata={"help": "Heartbeat period (under the lease TTL)."})
+    test_timeout_seconds: float = field(default=300.0, metadata={"help": "Timeout of the reward's test run."})
+
+    def __post_init__(self):
+        unknown = set(self.tools) - set(TOOL_NAMES)
+        if unknown:
+            raise ValueError(f"unknown sandbox tools {sorted(unknown)}; expected some of {TOOL_NAMES}")
+        if self.num_generations < 1:
+            raise ValueError("num_generations must be >= 1")
+
+
+class _Group:
+    def __init__(self, key: str, size: int):
+        self.key = key
+        self.size = size
+        self.joined = 0
+        self.ended = 0
+        self.lease_id: str | None = None
+        self.lock = threading.Lock()
+
+
+class _Groups:
+    """Process-wide: which group each reset belongs to, and each group's lease."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.prefix = uuid.uuid4().hex[:10]  # group ids unique across processes and restarts
+        self.count = 0
+        self.current: _Group | None = None
+        self.current_row: str | None = None
+
+    def join(self, size: int, row_key: str) -> tuple[_Group, int]:
+        with self.lock:
+            g = self.current
+            # a new group every `size` resets; also if the row changes early (defensive:
+            # should TRL ever interleave groups, we lose sharing, never correctness)
+            if g is None or g.joined >= size or row_key != self.current_row:
+                g = _Group(f"{self.prefix}-{self.count}", size)
+                self.count += 1
+                self.current, self.current_row = g, row_key
+            index = g.joined
+            g.joined += 1
+            return g, index
+
+
+_GROUPS = _Groups()
+_CLIENTS: dict[str, GatewayClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client(url: str | None) -> GatewayClient:
+    with _CLIENTS_LOCK:
+        key = url or ""
+        if key not in _CLIENTS:
+            _CLIENTS[key] = GatewayClient(url)
+        return _CLIENTS[key]
+
+
+def _row_key(row: dict) -> str:
+    return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _format_exec(r: dict, timeout: float) -> str:
+    parts = [f"exit code: {r['exit_code']}"]
+    if r["timed_out"]:
+        parts[0] = f"timed out after {timeout:g}s (killed)"
+    for stream in ("stdout", "stderr"):
+        text = r[stream]
+        if text:
+            parts.append(f"{stream}:\n{text.rstrip(chr(10))}")
+        if r[f"{stream}_truncated"]:
+            parts.append(f"[{stream} truncated: {r[f'{stream}_bytes']} bytes in all]")
+    return "\n".join(parts)
+
+
+class SandboxEnvironmentBase:
+    """State of one rollout; the tools live in the mixins below."""
+
+    def __init__(self, config: SandboxEnvConfig):
+        self._config = config
+        self._client = _client(config.gateway_url)
+        self._group: _Group | None = None
+        self._session = "r0"
+        self._files: dict[str, str] = {}
+        self._test_command: str | None = None
+        self._seeded_lease: str | None = None
+        self._ended = True
+
+    def reset(self, **row) -> None:
+        """Start a rollout: join its group, remember the row's files and tests."""
+        self._end_rollout()  # a rollout that ended without get_reward (an error) ends here
+        group, index = _GROUPS.join(self._config.num_generations, _row_key(row))
+        self._group, self._session, self._ended = group, f"r{index}", False
+        files = row.get("files") or {}
+        self._files = json.loads(files) if isinstance(files, str) else dict(files)
+        self._test_command = row.get("test_command") or None
+        self._seeded_lease = None
+        return None
+
+    def get_reward(self) -> float | None:
+        """End of the rollout: score the row's tests in this rollout's session, free the lease."""
+        try:
+            if not self._test_command or self._group is None:
+                return None
+            try:
+                r = self._exec(self._test_command, self._config.test_timeout_seconds)
+            except LeaseLost:
+                return 0.0
+            return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"]).reward
+        finally:
+            self._end_rollout()
+
+    # -- lease plumbing --------------------------------------------------------
+    def _lease(self) -> str:
+        g = self._group
+        if g is None:
+            raise RuntimeError("reset() was not called")
+        with g.lock:
+            if g.lease_id is None:
+                lease = self._client.lease(g.key, wait_seconds=self._config.lease_wait_seconds)
+                g.lease_id = lease.lease_id
+                Heartbeats.for_client(self._client, self._config.heartbeat_seconds).add(lease.lease_id)
+            lease_id = g.lease_id
+        if self._seeded_lease != lease_id:  # first call here, or the sandbox was replaced
+            try:
+                for path, content in self._files.items():
+                    self._client.write_file(lease_id, path, content, session=self._session)
+            except LeaseLost:
+                self._lost(lease_id)
+                raise
+            self._seeded_lease = lease_id
+        return lease_id
+
+    def _lost(self, lease_id: str) -> None:
+        g = self._group
+        with g.lock:
+            if g.lease_id == lease_id:
+                g.lease_id = None
+        Heartbeats.for_client(self._client, self._config.heartbeat_seconds).discard(lease_id)
+
+    def _end_rollout(self) -> None:
+        g = self._group
+        if g is None or self._ended:
+            return
+        self._ended = True
+        with g.lock:
+            g.ended += 1
+            done = g.ended >= g.size
+            lease_id = g.lease_id if done else None
+            if done:
+                g.lease_id = None
+        if lease_id:
+            Heartbeats.for_client(self._client, self._config.heartbeat_seconds).discard(lease_id)
+            try:
+                self._client.release(lease_id, all_holders=True)
+            except (LeaseLost, SandboxError, OSError):
+                pass  # already gone; the gateway resets it either way
+
+    def _exec(self, command, timeout: float) -> dict:
+        lease_id = self._lease()
+        try:
+            return self._client.exec(lease_id, command, timeout_seconds=timeout, session=self._session,
+                                     max_output_bytes=self._config.max_output_bytes)
+        except LeaseLost:
+            self._lost(lease_id)
+            raise
+
+    def _call(self, fn, *args, **kwargs):
+        """Run one gateway call on this rollout's lease; errors become tool results."""
+        lease_id = None
+        try:
+            lease_id = self._lease()
+            return fn(lease_id, *args, session=self._session, **kwargs), None
+        except LeaseLost:
+            if lease_id:
+                self._lost(lease_id)
+            return None, _LOST
+        except NoSandbox:
+            raise  # infrastructure, not the model: TRL counts it as a tool failure
+        except SandboxError as err:
+            return None, f"error: {err.error}: {err.detail}"
+
+    def _run(self, command) -> str:
+        t = self._config.timeout_seconds
+        r, error = self._call(self._client.exec, command, timeout_seconds=t,
+                              max_output_bytes=self._config.max_output_bytes)
+        return error or _format_exec(r, t)
+
+
+class _ShellTool:
+    def shell(self, command: str) -> str:
+        """Run a shell command (bash) in the sandbox's working directory.
+
+        Args:
+            command: The command line to run, e.g. "ls -la" or "pytest -q".
+
+        Returns:
+            The exit code, then stdout and stderr (long output is truncated in the middle).
+        """
+        return self._run(command)
+
+
+class _PythonTool:
+    def python(self, code: str) -> str:
+        """Run a Python 3 program in the sandbox's working directory.
+
+        Args:
+            code: The Python source to run.
+
+        Returns:
+            The exit code, then stdout and stderr (long output is truncated in the middle).
+        """
+        return self._run(["python3", "-c", code])
+
+
+class _ReadFileTool:
+    def read_file(self, path: str) -> str:
+        """Read a text file from the sandbox's working directory.
+
+        Args:
+            path: Path relative to the working directory, e.g. "src/main.py".
+
+        Returns:
+            The file's content, or an error message.
+        """
+        r, error = self._call(self._client.read_file, path, max_bytes=self._config.max_read_bytes)
+        if error:
+            return error
+        note = f"\n[truncated: {r['size']} bytes in all]" if r["truncated"] else ""
+        return r["content"] + note
+
+
+class _WriteFileTool:
+    def write_file(self, path: str, content: str) -> str:
+        """Write a text file in the sandbox's working directory, creating directories as needed.
+
+        Args:
+            path: Path relative to the working directory, e.g. "src/main.py".
+            content: The full new content of the file.
+
+        Returns:
+            A confirmation, or an error message.
+        """
+        r, error = self._call(self._client.write_file, path, content)
+        if error:
+            return error
+        return f"wrote {r['bytes']} bytes to {path}"
+
+
+_MIXINS = {"shell": _ShellTool, "python": _PythonTool, "read_file": _ReadFileTool, "write_file": _WriteFileTool}
+_CLASSES: dict[tuple[str, ...], type] = {}
+
+
+def environment_class(tools: tuple[str, ...] = TOOL_NAMES) -> type:
+    """The environment class offering exactly `tools` (TRL lists tools from the class)."""
+    key = tuple(t for t in TOOL_NAMES if t in tools)
+    if key not in _CLASSES:
+        name = "SandboxEnvironment" if key == TOOL_NAMES else "SandboxEnvironment_" + "_".join(key)
+        _CLASSES[key] = type(name, (SandboxEnvironmentBase, *(_MIXINS[t] for t in key)), {
+            "__module__": __name__, "__doc__": f"Sandbox tools {', '.join(key)} through the run's gateway."})
+    return _CLASSES[key]
+
+
+SandboxEnvironment = environment_class(TOOL_NAMES)
+
+
+class SandboxEnvironmentFactory:
+    """Pass an instance as `environment_factory=`: picklable, makes one environment per call.
+
+    Example: `AsyncGRPOTrainer(..., environment_factory=SandboxEnvironmentFactory(
+    num_generations=args.num_generations, tools=("shell", "write_file")))`; the rollout
+    child needs ASYNCGRPO_GATEWAY_URL and ASYNCGRPO_GATEWAY_TOKEN in its environment.
+    """
+
+    def __init__(self, num_generations: int, **settings):
+        self.config = SandboxEnvConfig(num_generations=num_generations, **{
+            k: tuple(v) if k == "tools" else v for k, v in settings.items()})
+
+    def __call__(self):
+        return environment_class(self.config.tools)(self.config)
+
+    def __repr__(self) -> str:
+        return f"SandboxEnvironmentFactory({self.config})"
+
+
+__all__ = ["SandboxEnvironment", "SandboxEnvironmentFactory", "SandboxEnvConfig", "environment_class", "TOOL_NAMES"]

@@ -1,0 +1,154 @@
+"""Reward "the tests pass in a sandbox": the score of a test run, and a TRL reward function.
+
+`score_test_run` turns a run's exit code and output into a reward: the share of tests that
+passed when the runner printed counts (pytest's summary line, unittest's "Ran N tests"),
+else 1.0 for exit code 0 and 0.0 otherwise; a timed-out run scores 0.0 whatever it printed.
+Counting passed tests gives a graded signal (3 of 4 beats 0 of 4) where the exit code alone
+gives GRPO no gradient inside a group that fails everywhere.
+
+`sandbox_tests` is the function `asyncgrpo.trainer.rewards` registers as `sandbox_tests`:
+a plain module-level function (TRL pickles reward functions into its scoring child).
+It is called once per group, so it takes one lease for the whole group and runs each
+completion in its own session of that sandbox, in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+_PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|xfailed|xpassed|skipped)\b")
+_PYTEST_SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?)\b.*\bin [\d.]+s")
+_UNITTEST_RAN = re.compile(r"^Ran (\d+) tests? in", re.MULTILINE)
+_UNITTEST_FAILED = re.compile(r"^FAILED \(([^)]*)\)", re.MULTILINE)
+_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ScoredRun:
+    passed: int | None
+    failed: int | None
+    exit_code: int | None
+    timed_out: bool
+    reward: float
+
+
+def count_tests(output: str) -> tuple[int, int] | None:
+    """(passed, not passed) from a pytest or unittest report in `output`, or None."""
+    summaries = [line for line in output.splitlines() if _PYTEST_SUMMARY.search(line)]
+    if summaries:
+        counts = {k: int(n) for n, k in _PYTEST_COUNT.findall(summaries[-1])}
+        failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+        return counts.get("passed", 0), failed
+    ran = _UNITTEST_RAN.findall(output)
+    if ran:
+        total = int(ran[-1])
+        bad = 0
+        m = _UNITTEST_FAILED.findall(output)
+        if m:
+            for part in m[-1].split(","):
+                key, _, value = part.strip().partition("=")
+                if key in ("failures", "errors", "unexpected successes") and value.isdigit():
+                    bad += int(value)
+        return max(0, total - bad), bad
+    return None
+
+
+def score_test_run(exit_code: int | None, stdout: str, stderr: str = "", timed_out: bool = False) -> ScoredRun:
+    if timed_out:
+        return ScoredRun(None, None, exit_code, True, 0.0)
+    counts = count_tests(stdout + "\n" + stderr)
+    if counts is not None and sum(counts) > 0:
+        passed, failed = counts
+        return ScoredRun(passed, failed, exit_code, False, passed / (passed + failed))
+    return ScoredRun(None, None, exit_code, False, 1.0 if exit_code == 0 else 0.0)
+
+
+def extract_code(text: str) -> str:
+    """The last fenced code block of a completion, or the whole text when it has none."""
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+def _text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion:
+        last = completion[-1]
+        return str(last.get("content") or "") if isinstance(last, dict) else str(last)
+    return ""
+
+
+def _per_row(value: Any, n: int) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) and len(value) == n else [value] * n
+
+
+def _files(value: Any) -> dict[str, str]:
+    if not value:
+        return {}
+    return json.loads(value) if isinstance(value, str) else dict(value)
+
+
+def sandbox_tests(
+    completions: list,
+    *,
+    test_command: str | list | None = None,
+    files: Any = None,
+    solution_path: str = "solution.py",
+    extract: bool = True,
+    timeout_seconds: float = 60.0,
+    gateway_url: str | None = None,
+    lease_wait_seconds: float = 300.0,
+    **_columns: Any,
+) -> list[float | None]:
+    """Reward per completion: write its code to `solution_path` next to the row's `files`
+    (a dict path -> content, or its JSON), run the row's `test_command` there, score it.
+
+    `test_command` and `files` come from the data set's columns (one per completion) or
+    from the reward's `args` (same for all). A row without `test_command` gets None (not
+    applicable). Needs ASYNCGRPO_GATEWAY_URL and ASYNCGRPO_GATEWAY_TOKEN (or `gateway_url`).
+    """
+    from asyncgrpo.sandbox.client import GatewayClient, LeaseLost
+
+    n = len(completions)
+    commands = _per_row(test_command, n)
+    row_files = _per_row(files, n)
+    todo = [i for i in range(n) if commands[i]]
+    rewards: list[float | None] = [None] * n
+    if not todo:
+        return rewards
+    client = GatewayClient(gateway_url)
+    try:
+        for attempt in range(2):  # one retry on a fresh sandbox if the first one is lost
+            lease = client.lease(f"reward-{uuid.uuid4().hex}", wait_seconds=lease_wait_seconds)
+            try:
+                def run(i: int) -> float:
+                    session = f"t{i}"
+                    for path, content in _files(row_files[i]).items():
+                        client.write_file(lease.lease_id, path, content, session=session)
+                    text = _text(completions[i])
+                    client.write_file(lease.lease_id, solution_path, extract_code(text) if extract else text,
+                                      session=session)
+                    r = client.exec(lease.lease_id, commands[i], timeout_seconds=timeout_seconds,
+                                    session=session, max_output_bytes=65536)
+                    return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"]).reward
+
+                with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+                    for i, reward in zip(todo, pool.map(run, todo)):
+                        rewards[i] = reward
+                return rewards
+            except LeaseLost:
+                if attempt == 1:
+                    raise
+            finally:
+                try:
+                    client.release(lease.lease_id, all_holders=True)
+                except Exception:
+                    pass
+    finally:
+        client.close()
+    return rewards

@@ -7,7 +7,7 @@ torch.set_num_threads(1)
 
 settings.register_profile(
     "tree",
-    max_examples=40,
+    max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

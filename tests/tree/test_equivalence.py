@@ -92,3 +92,12 @@ def _shared_model():
     if _MODEL is None:
         _MODEL = build_model("dense", seed=4)
     return _MODEL
+
+
+def test_gradient_checkpointing_passes_the_layout_through():
+    """Recomputed layers get the same `tree_layout` keyword, so checkpointed training stays exact."""
+    model = build_model("dense", seed=7)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ok, problems = verdict(compare(model, awkward_batch(seed=5), ranks=2, budget=120))
+    assert ok, problems

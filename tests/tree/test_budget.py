@@ -107,3 +107,16 @@ def test_metrics_count_raw_and_forwarded_work():
     assert m.raw_attention_pairs == 8 * 15 * 16 // 2
     assert m.attention_pairs == sum(m.rank_load) < m.raw_attention_pairs
     assert m.as_scalars()["tree/compression_ratio"] == pytest.approx(2.0)
+
+
+@given(rollout_sets(), rollout_sets())
+def test_trie_prices_a_candidate_exactly_without_changing(placed, candidate):
+    trie = Trie()
+    for r in placed:
+        trie.insert(r.input_ids)
+    before = (len(trie), trie.load)
+    tokens, pairs = trie.price([r.input_ids for r in candidate])
+    assert (len(trie), trie.load) == before
+    for r in candidate:
+        trie.insert(r.input_ids)
+    assert (tokens, pairs) == (len(trie) - before[0], trie.load - before[1])

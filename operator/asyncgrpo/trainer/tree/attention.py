@@ -3,9 +3,9 @@
 A model loaded (or switched) to `attn_implementation="asyncgrpo_tree"` takes a
 `tree_layout=TreeLayout` keyword in its forward; the decoder passes it through to every
 attention layer, which picks its path by device:
-- CUDA (and any device FlexAttention compiles for): `flex_attention` with the layout's
-  BlockMask. Fully masked 128x128 blocks (across trees, across sibling branches) are
-  skipped; K/V are read in place, never gathered.
+- CUDA: compiled `flex_attention` with the layout's BlockMask. Fully masked 128x128
+  blocks (across trees, across sibling branches) are skipped; K/V are read in place,
+  never gathered.
 - CPU: FlexAttention has no backward there, so each segment of the forest runs SDPA over
   its root path (`segment_attention`). Memory is O(segment x path), never O(row^2).
 Both compute the same softmax over the same keys (tests/tree check they agree).
@@ -71,8 +71,8 @@ def flex_tree_attention(query, key, value, layout: TreeLayout, scaling: float | 
 
 
 def uses_flex(device: torch.device) -> bool:
-    """FlexAttention trains where it has a backward: CUDA (and XPU); everywhere else, segments."""
-    return device.type in ("cuda", "xpu")
+    """FlexAttention trains where it has a backward and we have checked it: CUDA; elsewhere, segments."""
+    return device.type == "cuda"
 
 
 def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,17 +30,26 @@ GW_TOKEN = "gateway-test-token-9876543210"
 
 
 class Proc:
-    def __init__(self, args: list[str], env: dict, log: Path, port: int, **popen):
+    def __init__(self, args: list[str], env: dict, log: Path, port: int, host: str = "127.0.0.1", **popen):
         self.args, self.env, self.log_path, self.port, self.popen = args, env, log, port, popen
-        self.url = f"http://127.0.0.1:{port}"
+        self.host = host
+        self.url = f"http://{host}:{port}"
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
-        self.log = open(self.log_path, "a")
+        self.log = open(self.log_path, "a")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, **self.popen)
-        wait_for_port(self.port, proc=self.proc)
+        if self.host == "127.0.0.1":
+            wait_for_port(self.port, proc=self.proc)
+        else:
+            def listening():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"exited with {self.proc.returncode}: {self.logs()}")
+                with socket.socket() as s:
+                    return s.connect_ex((self.host, self.port)) == 0
+            wait_until(listening, 30, what=f"{self.host}:{self.port} listening")
 
     @property
     def pid(self) -> int:
@@ -73,7 +83,7 @@ def _cli() -> list[str]:
 
 
 def start_sandbox(tmp: Path, name: str = "sb", *extra: str, port: int | None = None, env: dict | None = None,
-                  **popen) -> Proc:
+                  host: str = "127.0.0.1", **popen) -> Proc:
     port = port or free_port()
     # commands run as another uid (server as root): the workspace must be reachable by path,
     # and pytest's tmp_path lives under a root-only directory
@@ -81,19 +91,20 @@ def start_sandbox(tmp: Path, name: str = "sb", *extra: str, port: int | None = N
     base.chmod(0o711)
     _BASES.append(base)
     ws = base / "ws"
-    args = [*_cli(), "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port), "--workspace", str(ws),
-            *extra]
+    args = [*_cli(), "sandbox", "serve", "--host", host, "--port", str(port), "--workspace", str(ws), *extra]
     e = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, **(env or {})}
-    p = Proc(args, e, tmp / f"{name}.log", port, **popen)
+    p = Proc(args, e, tmp / f"{name}.log", port, host=host, **popen)
     p.workspace = ws
     return p
 
 
-def start_gateway(tmp: Path, members: list[str], *extra: str, name: str = "gw") -> Proc:
+def start_gateway(tmp: Path, members: list[str] | None, *extra: str, name: str = "gw",
+                  env: dict | None = None) -> Proc:
     port = free_port()
-    args = [*_cli(), "gateway", "--host", "127.0.0.1", "--port", str(port), "--members", ",".join(members),
-            *extra]
-    e = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN}
+    args = [*_cli(), "gateway", "--host", "127.0.0.1", "--port", str(port), *extra]
+    if members is not None:
+        args += ["--members", ",".join(members)]
+    e = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN, **(env or {})}
     return Proc(args, e, tmp / f"{name}.log", port)
 
 

@@ -55,7 +55,7 @@ def test_group_shares_one_lease_and_the_next_group_gets_a_reset_sandbox(one_sand
 
 
 def test_groups_get_distinct_sandboxes_and_wait_when_none_is_free(pool_of_three):
-    gw, sbs = pool_of_three
+    gw, _sbs = pool_of_three
     all_warm(gw, 3)
     with gw_client(gw) as c:
         leases = [c.post("/v1/leases", json={"group_id": f"g{i}"}).json() for i in range(3)]
@@ -169,7 +169,7 @@ def test_an_idle_sandbox_failing_health_is_taken_out(pool_of_three):
 
 
 def test_gateway_auth_demand_and_drain(pool_of_three):
-    gw, sbs = pool_of_three
+    gw, _sbs = pool_of_three
     all_warm(gw, 3)
     for headers in ({}, {"authorization": "Bearer nope"}):
         assert httpx.post(f"{gw.url}/v1/leases", json={"group_id": "x"}, headers=headers).status_code == 401

@@ -21,7 +21,7 @@ def test_counts_from_a_real_pytest_run(tmp_path):
     (tmp_path / "test_x.py").write_text(PYTEST_FILE)
     for flags in (["-q"], ["-v"], []):
         r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *flags, str(tmp_path)],
-                           capture_output=True, text=True, cwd=tmp_path)
+                           capture_output=True, text=True, cwd=tmp_path, check=False)
         assert count_tests(r.stdout) == (3, 1), r.stdout
         s = score_test_run(r.returncode, r.stdout, r.stderr)
         assert (s.passed, s.failed, s.reward, s.exit_code) == (3, 1, 0.75, 1)
@@ -32,11 +32,11 @@ def test_counts_from_a_real_unittest_run(tmp_path):
         "import unittest\nclass T(unittest.TestCase):\n"
         "    def test_ok(self): pass\n    def test_ok2(self): pass\n"
         "    def test_bad(self): self.fail('no')\n    def test_err(self): raise KeyError()\n")
-    r = subprocess.run([sys.executable, "-m", "unittest", "-v"], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-m", "unittest", "-v"], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert count_tests(r.stderr) == (2, 2)
     assert score_test_run(r.returncode, r.stdout, r.stderr).reward == 0.5
     ok = subprocess.run([sys.executable, "-m", "unittest", "test_u.T.test_ok"], capture_output=True, text=True,
-                        cwd=tmp_path)
+                        cwd=tmp_path, check=False)
     assert score_test_run(ok.returncode, ok.stdout, ok.stderr).reward == 1.0
 
 

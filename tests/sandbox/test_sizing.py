@@ -10,7 +10,8 @@ from asyncgrpo.sandbox.sizing import desired_pool_size
 
 
 def size(**kw):
-    base = dict(current=0, busy=0, waiting=0, starting=0, min_warm=0, max_size=100, hard_cap=1000, max_step=10)
+    base = {"current": 0, "busy": 0, "waiting": 0, "starting": 0, "min_warm": 0, "max_size": 100,
+            "hard_cap": 1000, "max_step": 10}
     return desired_pool_size(**{**base, **kw})
 
 
@@ -56,8 +57,8 @@ counts = st.integers(min_value=0, max_value=500)
        max_size=counts, hard_cap=counts, max_step=st.integers(0, 100))
 def test_properties(current, busy, waiting, starting, min_warm, max_size, hard_cap, max_step):
     busy, starting = min(busy, current), min(starting, max(0, current - min(busy, current)))
-    kw = dict(current=current, busy=busy, waiting=waiting, starting=starting, min_warm=min_warm,
-              max_size=max_size, hard_cap=hard_cap, max_step=max_step)
+    kw = {"current": current, "busy": busy, "waiting": waiting, "starting": starting, "min_warm": min_warm,
+          "max_size": max_size, "hard_cap": hard_cap, "max_step": max_step}
     out = desired_pool_size(**kw)
     cap = min(max_size, hard_cap)
     target = min(max(busy + waiting + min_warm, min(min_warm, cap)), cap)

@@ -13,6 +13,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import ClassVar
 
 import httpx
 
@@ -175,7 +176,7 @@ class AsyncSandboxClient:
 class Heartbeats:
     """One daemon thread per process that heartbeats every lease registered with it."""
 
-    _instances: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    _instances: ClassVar[weakref.WeakValueDictionary] = weakref.WeakValueDictionary()
     _lock = threading.Lock()
 
     def __init__(self, client: GatewayClient, interval_seconds: float):
@@ -213,5 +214,5 @@ class Heartbeats:
                     self.client.heartbeat(lease_id)
                 except LeaseLost:
                     self.discard(lease_id)
-                except Exception:
-                    pass  # the gateway is briefly away: the next beat may land within the TTL
+                except Exception:  # noqa: BLE001, S110 - gateway briefly away: next beat is within TTL
+                    pass

@@ -148,7 +148,6 @@ class SandboxEnvironmentBase:
         self._files = json.loads(files) if isinstance(files, str) else dict(files)
         self._test_command = row.get("test_command") or None
         self._seeded_lease = None
-        return None
 
     def get_reward(self) -> float | None:
         """End of the rollout: score the row's tests in this rollout's session, free the lease."""
@@ -336,4 +335,4 @@ class SandboxEnvironmentFactory:
         return f"SandboxEnvironmentFactory({self.config})"
 
 
-__all__ = ["SandboxEnvironment", "SandboxEnvironmentFactory", "SandboxEnvConfig", "environment_class", "TOOL_NAMES"]
+__all__ = ["TOOL_NAMES", "SandboxEnvConfig", "SandboxEnvironment", "SandboxEnvironmentFactory", "environment_class"]

@@ -154,7 +154,7 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
         return {"lease_id": lease_id, "holders": lease.holders, "ttl_seconds": settings.lease_ttl_seconds}
 
     @app.delete("/v1/leases/{lease_id}")
-    async def release(lease_id: str, all: bool = False):  # noqa: A002 - query parameter name
+    async def release(lease_id: str, all: bool = False):
         try:
             return pool.release(lease_id, all_holders=all)
         except LeaseGone as err:

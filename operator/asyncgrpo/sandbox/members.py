@@ -126,7 +126,7 @@ class KubernetesPodWatch:
                     continue
                 log.warning("pod watch failed (%s); retrying", err.status)
                 time.sleep(2.0)
-            except Exception as err:  # API server restart, network blip: back off, resume
+            except Exception as err:  # noqa: BLE001 - API server restart, network blip: back off, resume
                 log.warning("pod watch error: %s; retrying", err)
                 time.sleep(2.0)
 

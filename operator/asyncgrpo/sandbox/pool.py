@@ -168,7 +168,7 @@ class Pool:
             # another request of this group is waiting already: wait on its wait, then join
             try:
                 await asyncio.wait_for(asyncio.shield(shared), max(0.0, deadline - self.clock()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.metrics.lease_timeouts.inc()
                 raise NoSandbox(group_id) from None
             except asyncio.CancelledError:
@@ -185,7 +185,7 @@ class Pool:
         self._publish()
         try:
             await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if not fut.done():
                 self.metrics.lease_timeouts.inc()
                 raise NoSandbox(group_id) from None
@@ -294,7 +294,7 @@ class Pool:
     async def _reset(self, m: Member) -> None:
         try:
             ok = await self._reset_fn(m)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure to reset takes the sandbox out
             ok = False
         if self.members.get(m.name) is not m or m.state != RESETTING:
             return  # removed or taken out meanwhile

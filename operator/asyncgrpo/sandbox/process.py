@@ -307,7 +307,7 @@ class Runner:
                 # not proc.wait(): in 3.11 it also waits for the pipes, which a background
                 # job of the command can hold open for as long as it likes
                 await asyncio.wait_for(protocol.exited.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
                 killed = kill_tree(proc.pid)
                 await protocol.exited.wait()
@@ -316,7 +316,7 @@ class Runner:
             if not timed_out:
                 killed += kill_group(proc.pid)
             remaining = max(0.5, timeout - (time.monotonic() - started))
-            done, pending = await asyncio.wait(readers, timeout=min(remaining, 5.0))
+            _done, pending = await asyncio.wait(readers, timeout=min(remaining, 5.0))
             for task in pending:  # an escaped process still holds a pipe: stop reading
                 task.cancel()
             if pending:
@@ -373,5 +373,5 @@ async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
     finally:
         try:
             stream.close()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - the child is gone; nothing to close
             pass

@@ -126,14 +126,14 @@ def sandbox_tests(
         for attempt in range(2):  # one retry on a fresh sandbox if the first one is lost
             lease = client.lease(f"reward-{uuid.uuid4().hex}", wait_seconds=lease_wait_seconds)
             try:
-                def run(i: int) -> float:
+                def run(i: int, lease_id: str = lease.lease_id) -> float:
                     session = f"t{i}"
                     for path, content in _files(row_files[i]).items():
-                        client.write_file(lease.lease_id, path, content, session=session)
+                        client.write_file(lease_id, path, content, session=session)
                     text = _text(completions[i])
-                    client.write_file(lease.lease_id, solution_path, extract_code(text) if extract else text,
+                    client.write_file(lease_id, solution_path, extract_code(text) if extract else text,
                                       session=session)
-                    r = client.exec(lease.lease_id, commands[i], timeout_seconds=timeout_seconds,
+                    r = client.exec(lease_id, commands[i], timeout_seconds=timeout_seconds,
                                     session=session, max_output_bytes=65536)
                     return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"]).reward
 
@@ -147,7 +147,7 @@ def sandbox_tests(
             finally:
                 try:
                     client.release(lease.lease_id, all_holders=True)
-                except Exception:
+                except Exception:  # noqa: BLE001, S110 - gone already: the gateway resets it anyway
                     pass
     finally:
         client.close()

@@ -43,8 +43,8 @@ def desired_pool_size(
     `result - current` pods when positive, and deletes `current - result` idle pods when
     negative.
     """
-    values = dict(current=current, busy=busy, waiting=waiting, starting=starting,
-                  min_warm=min_warm, max_size=max_size, hard_cap=hard_cap, max_step=max_step)
+    values = {"current": current, "busy": busy, "waiting": waiting, "starting": starting,
+              "min_warm": min_warm, "max_size": max_size, "hard_cap": hard_cap, "max_step": max_step}
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")

@@ -29,6 +29,11 @@ ASYNCGRPO_RETRY_ATTEMPTS       tries of each S3 / vLLM call before the step fail
                                default 1.0, capped at 30 s)
 ASYNCGRPO_MAX_STEPS            stop after this step even if spec.trainer.totalSteps is
                                larger (tests, benchmarks; default: totalSteps)
+ASYNCGRPO_DATA_DIR             where a data.configMap source is mounted (default
+                               /etc/asyncgrpo/data; the key is the file name)
+ASYNCGRPO_FAULT_CORRUPT_VERSIONS  fault injection for tests and drills: comma-separated
+                               versions overwritten in the bucket right after publishing
+ASYNCGRPO_LOG_LEVEL            Python log level (default INFO)
 RANK, WORLD_SIZE, LOCAL_RANK,  set by torchrun; see `torchrun_args` for the StatefulSet
 MASTER_ADDR, MASTER_PORT
 =============================  ==========================================================
@@ -72,6 +77,14 @@ def _int(env: dict[str, str], key: str, default: int | None) -> int | None:
         raise RuntimeEnvError(f"{key}={raw!r} is not an integer") from None
 
 
+def _versions(env: dict[str, str], key: str) -> tuple[int, ...]:
+    raw = env.get(key) or ""
+    try:
+        return tuple(int(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise RuntimeEnvError(f"{key}={raw!r} is not a comma-separated list of versions") from None
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     vllm_url: str | None
@@ -85,6 +98,7 @@ class RuntimeEnv:
     retry_attempts: int = 8
     retry_backoff_s: float = 1.0
     max_steps: int | None = None
+    fault_corrupt_versions: tuple[int, ...] = ()
     topology: Topology = field(default_factory=Topology)
 
     @classmethod
@@ -110,6 +124,7 @@ class RuntimeEnv:
             retry_attempts=attempts,
             retry_backoff_s=_float(env, "ASYNCGRPO_RETRY_BACKOFF_S", 1.0),
             max_steps=_int(env, "ASYNCGRPO_MAX_STEPS", None),
+            fault_corrupt_versions=_versions(env, "ASYNCGRPO_FAULT_CORRUPT_VERSIONS"),
             topology=Topology.from_env(env),
         )
 

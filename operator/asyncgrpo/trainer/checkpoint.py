@@ -1,0 +1,114 @@
+"""Checkpoints in the bucket: `<prefix>/<run>/checkpoints/step-00000012/...`, COMPLETE last.
+
+The local checkpoint is the Hugging Face Trainer's own directory (adapter or weights,
+optimizer, scheduler, RNG states, trainer_state.json with the step, and TRL's
+rollout_state.json with the data position and policy version); it is uploaded file by
+file and a `COMPLETE` object (JSON: step, policy version, file list) is written last, so
+a trainer killed mid-upload leaves nothing anyone resumes from. A restarted trainer takes
+the newest checkpoint with COMPLETE and hands the downloaded directory to
+`trainer.train(resume_from_checkpoint=...)`.
+
+Multi-node: each rank uploads the files only it has (its `rng_state_<rank>.pth`), rank 0
+the rest, then rank 0 writes COMPLETE after a barrier. Every rank downloads the whole
+checkpoint into its own pod on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from asyncgrpo.trainer.bucket import Bucket
+
+log = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_RANK_FILE = re.compile(r"^rng_state_(\d+)\.pth$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{int(step):08d}"
+
+
+class CheckpointStore:
+    def __init__(self, bucket: Bucket, keep: int = 2):
+        self.bucket = bucket
+        self.keep = max(1, int(keep))
+
+    @property
+    def root(self) -> str:
+        return self.bucket.key("checkpoints") + "/"
+
+    def _scan(self) -> tuple[set[int], set[int]]:
+        complete, seen = set(), set()
+        for key in self.bucket.list(self.root):
+            parts = key[len(self.root):].split("/")
+            m = _STEP_DIR.match(parts[0])
+            if not m or len(parts) < 2:
+                continue
+            seen.add(int(m.group(1)))
+            if parts[1] == COMPLETE:
+                complete.add(int(m.group(1)))
+        return complete, seen
+
+    def latest(self) -> int | None:
+        complete, _ = self._scan()
+        return max(complete) if complete else None
+
+    def info(self, step: int) -> dict:
+        return json.loads(self.bucket.get_bytes(self.root + step_dir(step) + "/" + COMPLETE))
+
+    def upload(self, local: Path, step: int, *, rank: int = 0, is_main: bool = True,
+               barrier: Callable[[], None] | None = None, meta: dict | None = None) -> None:
+        local = Path(local)
+        prefix = self.root + step_dir(step) + "/"
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        mine = []
+        for p in files:
+            m = _RANK_FILE.match(p.name)
+            if (int(m.group(1)) == rank) if m else is_main:
+                mine.append(p)
+        for p in mine:
+            self.bucket.upload(p, prefix + p.relative_to(local).as_posix())
+        if barrier is not None:
+            barrier()
+        if not is_main:
+            return
+        listed = sorted(k[len(prefix):] for k in self.bucket.list(prefix))
+        doc = {"step": int(step), "files": listed, **(meta or {})}
+        self.bucket.put_bytes(prefix + COMPLETE, json.dumps(doc, indent=1).encode())
+        log.info("checkpoint step %d in %s (%d files)", step, self.bucket.url(prefix), len(listed))
+        self.prune()
+
+    def download(self, step: int, dest: Path) -> Path:
+        """The checkpoint's files under dest/checkpoint-<step> (the name HF's Trainer reads)."""
+        prefix = self.root + step_dir(step) + "/"
+        target = Path(dest) / f"checkpoint-{int(step)}"
+        for key in self.bucket.list(prefix):
+            rel = key[len(prefix):]
+            if rel == COMPLETE:
+                continue
+            self.bucket.download(key, target / rel)
+        return target
+
+    def prune(self) -> list[int]:
+        """Keep the newest `keep` complete checkpoints; drop older ones and dead partials."""
+        complete, seen = self._scan()
+        kept = sorted(complete)[-self.keep:]
+        if not kept:
+            return []
+        doomed = [s for s in sorted(seen) if s < kept[0]]
+        for s in doomed:
+            prefix = self.root + step_dir(s) + "/"
+            keys = list(self.bucket.list(prefix))
+            marker = [k for k in keys if k.endswith("/" + COMPLETE)]
+            if marker:  # first: the checkpoint vanishes as a whole for readers
+                self.bucket.delete(marker)
+            rest = [k for k in keys if k not in marker]
+            if rest:
+                self.bucket.delete(rest)
+        return doomed

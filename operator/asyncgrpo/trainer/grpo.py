@@ -1,0 +1,327 @@
+"""TRL's AsyncGRPOTrainer with adapters published through the bucket, not the server.
+
+Upstream (1.16.0) syncs a LoRA policy by pausing vLLM, saving the adapter to a directory
+the server must see, `/v1/load_lora_adapter`, resume. That needs a shared disk and reaches
+one replica. Here a sync saves the adapter (a collective under FSDP2), rank 0 publishes
+it to the bucket as version N (manifest last), and every vLLM replica resolves
+`policy-vN` from the bucket on its first request (asyncgrpo.adapters.vllm_plugin). No
+pause is needed: each version is a new name, so no request ever sees a half-swapped
+adapter and the prefix cache never mixes versions.
+
+After each publish the trainer asks vLLM for teacher-forced log-probs of a fixed probe
+under `policy-vN` and compares them with its own (asyncgrpo.adapters.probe). Only when
+vLLM served the version does the rollout worker move to it: a version vLLM refuses
+(corrupt, partial) leaves rollouts on the last good version and raises the
+`AdapterServed=False` hint; the next step publishes a fresh version and training goes on.
+
+Version numbers never repeat: a resumed trainer continues after the newest complete
+version in the bucket, which may be newer than its checkpoint (versions published after
+the checkpoint were served under those names and are immutable).
+
+Full fine-tuning keeps TRL's own weight transfer (`_sync_weight_merged`) untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from trl.experimental.async_grpo import AsyncGRPOTrainer
+from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+from trl.experimental.async_grpo.async_grpo_trainer import (
+    save_lora_adapter,
+    validate_lora_for_vllm_sync,
+)
+
+from asyncgrpo.adapters.probe import (
+    ProbeError,
+    compare,
+    served_prompt_logprobs,
+    trained_prompt_logprobs,
+)
+from asyncgrpo.adapters.store import AdapterStoreError, StoreUnavailable
+from asyncgrpo.trainer.bucket import retry
+from asyncgrpo.trainer.rollout_gate import RolloutGate
+from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
+
+log = logging.getLogger(__name__)
+
+
+class _ProbeUnreachable(Exception):
+    pass
+
+
+class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
+    """AsyncGRPOTrainer + tree packing (the tree engine's mixin: its planner, collator,
+    attention and per-term head in place of TRL's hub FA3 kernel) + bucket transport,
+    served-policy probe, metrics, bucket checkpoints.
+
+    Extra keyword arguments (all others go to TRL):
+      store: AdapterStore of the run (rank 0 publishes; others may pass None).
+      served_prefix: names are f"{served_prefix}{N}"; must end in "-v" (TRL's scheme).
+      metrics: TrainerMetrics (rank 0) or None.
+      probe_ids: token ids of the probe; None disables the probe.
+      probe_tolerance: max |diff| before ServedPolicyMatches turns False.
+      checkpoints: CheckpointStore or None; uploads each HF checkpoint, COMPLETE last.
+      retention / max_staleness: adapter versions kept in the bucket.
+      retry_attempts / retry_backoff_s: for S3 and the vLLM probe.
+      fault_corrupt_versions: versions to corrupt in the bucket right after publishing
+        (fault injection for tests and drills: exercises the refusal path for real).
+      status_file: JSON written at each step end (rank 0), for the local backend and tests.
+      samples_per_plan: samples the tree planner packs at once (one step's worth).
+    """
+
+    def __init__(self, *args, samples_per_plan: int | None = None, store=None, served_prefix: str = "policy-v", metrics=None,
+                 probe_ids=None, probe_tolerance: float = 0.05, checkpoints=None,
+                 retention: int = 8, max_staleness: int = 0, retry_attempts: int = 8,
+                 retry_backoff_s: float = 1.0, fault_corrupt_versions=(), status_file=None,
+                 **kwargs):
+        if not served_prefix.endswith("-v"):
+            raise ValueError(f"served_prefix {served_prefix!r} must end in '-v'")
+        self._served_lora_name = served_prefix[:-2]
+        self.samples_per_plan = samples_per_plan
+        self._store = store
+        self._metrics_sink = metrics
+        self._probe_ids = list(probe_ids) if probe_ids else None
+        self._probe_tolerance = probe_tolerance
+        self._checkpoints = checkpoints
+        self._retention = retention
+        self._keep_staleness = max_staleness
+        self._retry_attempts = retry_attempts
+        self._retry_backoff_s = retry_backoff_s
+        self._fault_versions = {int(v) for v in fault_corrupt_versions}
+        self._status_file = Path(status_file) if status_file else None
+        self.served_version = 0  # the version rollouts request
+        self.published: list[dict] = []  # this process's publishes, for status and tests
+        self.resumed_from_step: int | None = None
+        super().__init__(*args, **kwargs)
+        self._gate = None
+        if isinstance(self.rollout_worker, AsyncRolloutWorker):
+            self._gate = RolloutGate(self.rollout_worker)
+
+    # TRL assigns `self._lora_name = "trl-policy"` in __init__ and builds the rollout worker's
+    # request names from it (f"{lora_name}-v{N}"): a data descriptor keeps ours.
+    @property
+    def _lora_name(self) -> str:
+        return self._served_lora_name
+
+    @_lora_name.setter
+    def _lora_name(self, _value: str) -> None:
+        pass
+
+    def served_name(self, version: int) -> str:
+        return f"{self._served_lora_name}-v{version}"
+
+    # -- sync mode -------------------------------------------------------------------------
+
+    def _init_lora_sync(self, model) -> bool:
+        """Adapter sync whenever vLLM can serve the adapter; no server probe is needed (the
+        resolver loads by name, no `/server_info` or dev-mode routes)."""
+        validate_lora_for_vllm_sync(model)
+        if self._store is None:
+            raise ValueError("LoRA training publishes adapters to the bucket: pass store=")
+        return True
+
+    # -- the sync ------------------------------------------------------------------------
+
+    def _retry(self, what, fn, transient):
+        def on_retry(_what, _err):
+            if self._metrics_sink is not None:
+                self._metrics_sink.inc("retries_total", target=what)
+        return retry(what, fn, attempts=self._retry_attempts, backoff_s=self._retry_backoff_s,
+                     transient=transient, on_retry=on_retry)
+
+    def _next_version(self) -> int:
+        latest = self._retry("s3", self._store.latest,
+                             lambda e: isinstance(e, StoreUnavailable)) or 0
+        return max(self.model_version, latest) + 1
+
+    def _sync_weight_lora(self, t0: float) -> tuple[float, float, float]:
+        from accelerate.utils import broadcast_object_list
+
+        model = self.accelerator.unwrap_model(self.model)
+        version = None
+        if self.accelerator.is_main_process:
+            version = self._next_version()
+        version = broadcast_object_list([version], from_process=0)[0]
+        adapter_dir = os.path.join(self._lora_dir, f"v{version}")
+        t_pause = time.time()  # nothing to pause: a new name never disturbs requests in flight
+        self.accelerator.wait_for_everyone()
+        t_barrier = time.time()
+        # A collective: every rank gathers its shards, rank 0 writes the files.
+        save_lora_adapter(model, self.accelerator, self._adapter_name, adapter_dir)
+        trained = None
+        if self._probe_ids is not None:
+            trained = self._trained_probe(model)  # a forward: every rank takes part under FSDP2
+        if self.accelerator.is_main_process:
+            self._publish(version, adapter_dir, t0)
+            self.model_version = version
+            served_ok = self._probe(version, trained)
+            if served_ok:
+                self.served_version = version
+                if self.rollout_worker:
+                    self.rollout_worker.update_model_version(version)
+            self._prune()
+            shutil.rmtree(adapter_dir, ignore_errors=True)
+            self._write_status()
+        t_transfer = time.time()
+        self.accelerator.wait_for_everyone()
+        return t_pause, t_barrier, t_transfer
+
+    def _publish(self, version: int, adapter_dir: str, t0: float) -> None:
+        step = int(self.state.global_step)
+        extra = {"resumed_from_step": self.resumed_from_step}
+        manifest = self._retry(
+            "s3", lambda: self._store.publish(adapter_dir, version, step=step, extra=extra),
+            lambda e: isinstance(e, StoreUnavailable))
+        seconds = time.time() - t0
+        if version in self._fault_versions:
+            self._corrupt(version, manifest)
+        self.published.append({"version": version, "step": step, "bytes": manifest.total_bytes,
+                               "seconds": seconds})
+        log.info("published %s (step %d, %d bytes, %.2fs)", self.served_name(version), step,
+                 manifest.total_bytes, seconds)
+        if self._metrics_sink is not None:
+            m = self._metrics_sink
+            m.set("policy_version", version)
+            m.observe("adapter_publish_seconds", seconds)
+            m.set("adapter_publish_bytes", manifest.total_bytes)
+            m.inc("adapter_published_bytes_total", manifest.total_bytes)
+            m.hint("AdapterStoreReachable", True, "Published", f"{self.served_name(version)}")
+
+    def _corrupt(self, version: int, manifest) -> None:
+        """Fault injection: overwrite the adapter weights of a complete version in the bucket."""
+        rel = next(k for k in manifest.files if k.endswith(".safetensors"))
+        key = self._store.version_prefix(version) + rel
+        self._store.client.put_object(Bucket=self._store.bucket, Key=key, Body=b"corrupted")
+        log.warning("fault injection: corrupted %s", self._store.url(key))
+
+    def _trained_probe(self, model) -> list[float]:
+        """Our log-probs of the probe, through plain (non-tree) attention: one causal row."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        impl = base.config._attn_implementation
+        base.set_attn_implementation("sdpa")
+        try:
+            return trained_prompt_logprobs(model, self._probe_ids)
+        finally:
+            base.set_attn_implementation(impl)
+
+    def _probe(self, version: int, trained: list[float] | None) -> bool:
+        """Ask vLLM for `policy-vN`; True when it served it (whatever the difference).
+
+        Unreachable: retried with backoff. Refused (4xx: corrupt, partial, rank too high):
+        False at once, so rollouts stay on the last version vLLM served.
+        """
+        if trained is None:
+            return True
+        name = self.served_name(version)
+
+        def ask():
+            try:
+                return served_prompt_logprobs(self.args.vllm_server_base_url, name, self._probe_ids)
+            except ProbeError as err:
+                if "unreachable" in str(err):
+                    raise _ProbeUnreachable(str(err)) from None
+                raise
+
+        m = self._metrics_sink
+        # vLLM's CPU LoRA path dies on a prompt_logprobs request batched with LoRA generation
+        # (see rollout_gate): hold the rollouts' requests while the probe runs.
+        if self._gate is not None and not self._gate.hold(float(self.args.request_timeout)):
+            self._gate.release()
+            log.warning("rollout requests did not drain in %ss; probe of %s skipped",
+                        self.args.request_timeout, name)
+            return True
+        try:
+            served = self._retry("vllm", ask, lambda e: isinstance(e, _ProbeUnreachable))
+        except Exception as err:  # noqa: BLE001 - refused or still unreachable: training goes on
+            log.error("vLLM did not serve %s: %s; rollouts stay on %s", name, err,
+                      self.served_name(self.served_version) if self.served_version else "none")
+            if m is not None:
+                m.inc("served_logprob_probe_failures_total")
+                m.hint("AdapterServed", False, "AdapterRefused",
+                       f"{name}: {str(err)[:300]}")
+            self.published[-1]["served"] = False
+            return False
+        finally:
+            if self._gate is not None:
+                self._gate.release()
+        cmp = compare(served, trained)
+        self.published[-1].update(served=True, logprob_max_diff=cmp.max_abs_diff,
+                                  logprob_mean_diff=cmp.mean_abs_diff)
+        ok = cmp.within(self._probe_tolerance)
+        log.info("probe %s: max |served - trained| = %.2e (mean %.2e)%s", name, cmp.max_abs_diff,
+                 cmp.mean_abs_diff, "" if ok else " ABOVE TOLERANCE")
+        if m is not None:
+            m.set("served_logprob_diff", cmp.max_abs_diff)
+            m.hint("AdapterServed", True, "Served", name)
+            m.hint("ServedPolicyMatches", ok, "LogProbsAgree" if ok else "LogProbMismatch",
+                   f"{name}: max |served - trained| log-prob {cmp.max_abs_diff:.3g} "
+                   f"(tolerance {self._probe_tolerance:g})")
+        return True
+
+    def _prune(self) -> None:
+        try:
+            self._retry("s3", lambda: self._store.prune(self._retention, self._keep_staleness),
+                        lambda e: isinstance(e, StoreUnavailable))
+        except AdapterStoreError as err:  # old versions linger; next sync tries again
+            log.warning("pruning adapter versions failed: %s", err)
+
+    def _inner_training_loop(self, *args, **kwargs):
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        finally:
+            if self._gate is not None:
+                self._gate.close()
+
+    # -- metrics, status -----------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        if self._metrics_sink is not None and self.accelerator.is_main_process:
+            self._metrics_sink.update_from_logs(logs)
+            self._metrics_sink.set("step", self.state.global_step)
+            if self.rollout_queue is not None:
+                try:
+                    self._metrics_sink.set("rollout_queue_depth", self.rollout_queue.qsize())
+                except NotImplementedError:  # macOS mp queues
+                    pass
+            self._write_status()
+
+    def _write_status(self) -> None:
+        if self._status_file is None or not self.accelerator.is_main_process:
+            return
+        doc = {
+            "step": int(self.state.global_step),
+            "policy_version": self.model_version,
+            "served_version": self.served_version,
+            "resumed_from_step": self.resumed_from_step,
+            "published": self.published,
+            "conditions": self._metrics_sink.status()["conditions"] if self._metrics_sink else [],
+        }
+        tmp = self._status_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, self._status_file)
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)  # local dir: weights/adapter, optimizer, rollout state
+        if self._checkpoints is None:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        step = int(self.state.global_step)
+        local = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        t0 = time.time()
+        self._checkpoints.upload(local, step, rank=self.accelerator.process_index,
+                                 is_main=self.accelerator.is_main_process,
+                                 barrier=self.accelerator.wait_for_everyone,
+                                 meta={"model_version": self.model_version})
+        if self._metrics_sink is not None and self.accelerator.is_main_process:
+            self._metrics_sink.set("checkpoint_step", step)
+            self._metrics_sink.observe("checkpoint_seconds", time.time() - t0)

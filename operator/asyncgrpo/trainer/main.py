@@ -1,0 +1,182 @@
+"""One trainer process: the run file in, TRL's AsyncGRPOTrainer configured from it, trained.
+
+Run as `asyncgrpo trainer --config run.yaml`, alone or under torchrun (see
+`runtime_env.torchrun_args`). The run model is the only configuration; deployment facts
+come from the environment (`runtime_env`). The mapping from the run to TRL's config is
+`trl_config`, kept pure so it can be read and tested without a model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from asyncgrpo.trainer.runtime_env import RuntimeEnv
+
+log = logging.getLogger(__name__)
+
+
+def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
+    """AsyncGRPOConfig for a run.
+
+    Batching: tree packing fills each micro-batch up to `tokenBudgetPerRank` unique tokens
+    per rank; `gradientAccumulationSteps` micro-batches make a step. `promptsPerStep` sizes
+    the rollout queue (about one step of samples: upstream's default 1024 lets generation
+    run far ahead and most samples go stale) and the generation concurrency.
+    """
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    t, r, m = run.spec.trainer, run.spec.rollout, run.spec.model
+    if t.beta:
+        raise ValueError("trainer.beta > 0: TRL 1.16's AsyncGRPO has no reference model (no KL "
+                         "term); set beta: 0")
+    world = env.topology.world_size
+    samples_per_step = t.prompts_per_step * t.num_generations
+    max_steps = t.total_steps if env.max_steps is None else min(t.total_steps, env.max_steps)
+    return AsyncGRPOConfig(
+        output_dir=str(env.work_dir / "output"),
+        use_cpu=use_cpu,
+        dtype=m.dtype,
+        seed=t.seed,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        num_generations=t.num_generations,
+        per_device_train_batch_size=max(1, samples_per_step // world),
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        token_budget=t.token_budget_per_rank,
+        max_staleness=t.max_staleness,
+        queue_maxsize=samples_per_step,
+        max_inflight_tasks=max(t.num_generations, min(samples_per_step, 64)),
+        max_completion_length=r.sampling.max_completion_tokens,
+        temperature=r.sampling.temperature,
+        top_p=r.sampling.top_p,
+        epsilon=t.clip_epsilon,
+        vllm_server_base_url=env.require_vllm(),
+        weight_sync_steps=1,
+        max_steps=max_steps,
+        save_strategy="steps",
+        save_steps=t.checkpoint_interval,
+        save_total_limit=1,
+        save_only_model=False,
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        log_completions=False,
+    )
+
+
+def lora_config(spec):
+    from peft import LoraConfig
+
+    lora = spec.model.lora
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=lora.target_modules, task_type="CAUSAL_LM", bias="none")
+
+
+def _bucket_parts(run, env: RuntimeEnv, metrics):
+    from asyncgrpo.adapters.store import AdapterStore
+    from asyncgrpo.trainer.bucket import Bucket, s3_client
+    from asyncgrpo.trainer.checkpoint import CheckpointStore
+
+    s = run.spec.adapter_store
+    endpoint = env.s3_endpoint or s.endpoint
+    run_name = env.run_name or run.metadata.name
+    store = AdapterStore(s.bucket, run=run_name, prefix=s.prefix, endpoint_url=endpoint,
+                         region=s.region, attempts=3, backoff_s=env.retry_backoff_s)
+
+    def on_retry(_what, _err):
+        if metrics is not None:
+            metrics.inc("retries_total", target="s3")
+
+    bucket = Bucket(s.bucket, "/".join(p for p in (s.prefix.strip("/"), run_name) if p),
+                    s3_client(endpoint, s.region), attempts=env.retry_attempts,
+                    backoff_s=env.retry_backoff_s, on_retry=on_retry)
+    data_bucket = Bucket(s.bucket, "", bucket.client, attempts=env.retry_attempts,
+                         backoff_s=env.retry_backoff_s, on_retry=on_retry)
+    return store, CheckpointStore(bucket), data_bucket
+
+
+def run_trainer(run, env: RuntimeEnv | None = None) -> int:
+    """Train the run to its last step (or ASYNCGRPO_MAX_STEPS); returns an exit code."""
+    import torch
+
+    from asyncgrpo.adapters.probe import probe_token_ids
+    from asyncgrpo.trainer import patches
+    from asyncgrpo.trainer.data import load_dataset
+    from asyncgrpo.trainer.distributed import distributed_config, init_process_group
+    from asyncgrpo.trainer.grpo import S3AdapterGRPOTrainer
+    from asyncgrpo.trainer.metrics import TrainerMetrics
+    from asyncgrpo.trainer.rewards import build_rewards
+
+    env = env or RuntimeEnv.from_env()
+    patches.apply()
+    cuda = torch.cuda.is_available()
+    top = init_process_group(env.topology, "cuda" if cuda else "cpu")
+    env.work_dir.mkdir(parents=True, exist_ok=True)
+
+    metrics = TrainerMetrics() if top.is_main else None
+    port = run.spec.trainer.metrics_port if env.metrics_port is None else env.metrics_port
+    if metrics is not None and port:
+        bound = metrics.serve(port)
+        log.info("metrics on :%d/metrics, hints on :%d/status", bound, bound)
+
+    store, checkpoints, data_bucket = _bucket_parts(run, env, metrics)
+    from transformers import AutoTokenizer
+
+    spec = run.spec
+    tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
+    dataset = load_dataset(run, bucket=data_bucket)
+    args = trl_config(run, env, use_cpu=not cuda)
+    dist_cfg = distributed_config(top.world_size, spec.trainer.fsdp_size,
+                                  spec.trainer.expert_parallel_size, spec.model.moe)
+    if dist_cfg is not None:
+        args.model_init_kwargs = {"distributed_config": dist_cfg}
+
+    resume_dir = None
+    latest = checkpoints.latest()
+    if latest is not None:
+        resume_dir = str(checkpoints.download(latest, env.work_dir / "resume"))
+        log.info("resuming from checkpoint step %d", latest)
+
+    lora = spec.model.finetuning == "lora"
+    trainer = S3AdapterGRPOTrainer(
+        model=spec.model.name,
+        reward_funcs=build_rewards(spec.reward),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora_config(spec) if lora else None,
+        store=store,
+        served_prefix=env.adapter_name_prefix,
+        metrics=metrics,
+        probe_ids=probe_token_ids(tokenizer) if lora else None,
+        probe_tolerance=env.probe_tolerance,
+        checkpoints=checkpoints,
+        retention=spec.adapter_store.retention,
+        max_staleness=spec.trainer.max_staleness,
+        retry_attempts=env.retry_attempts,
+        retry_backoff_s=env.retry_backoff_s,
+        fault_corrupt_versions=env.fault_corrupt_versions,
+        status_file=env.work_dir / "status.json",
+        samples_per_plan=spec.trainer.prompts_per_step * spec.trainer.num_generations,
+    )
+    trainer.resumed_from_step = latest
+    try:
+        trainer.train(resume_from_checkpoint=resume_dir)
+    finally:
+        trainer._write_status()
+        if metrics is not None:
+            metrics.close()
+    return 0
+
+
+def main_from_file(path: str | Path) -> int:
+    from asyncgrpo.api import load_run
+
+    logging.basicConfig(level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_trainer(load_run(path))

@@ -215,3 +215,19 @@ def test_500_concurrent_execs_through_the_gateway(pool_of_three):
     assert asyncio.run(run()) == [f"{i}\n" for i in range(500)]
     all_warm(gw, 3)
     assert demand(gw)["leases_active"] == 0
+
+
+def test_an_exec_longer_than_the_gateway_allows_is_cut_by_the_sandbox_not_dropped(tmp_path):
+    sb = start_sandbox(tmp_path, "capped")
+    gw = start_gateway(tmp_path, [sb.url], "--max-exec-seconds", "1", "--health-interval-seconds", "0.3")
+    try:
+        all_warm(gw, 1)
+        with gw_client(gw) as c:
+            lid = c.post("/v1/leases", json={"group_id": "g"}).json()["lease_id"]
+            r = c.post(f"/v1/leases/{lid}/exec", json={"command": "sleep 30", "timeout_seconds": 100})
+            assert r.status_code == 200 and r.json()["timed_out"] is True
+            assert c.post(f"/v1/leases/{lid}/exec", json={"command": "echo on"}).json()["stdout"] == "on\n"
+            assert demand(gw)["unhealthy"] == 0
+    finally:
+        gw.stop()
+        sb.stop()

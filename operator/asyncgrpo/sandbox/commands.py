@@ -107,7 +107,7 @@ def _uvicorn_run(app, host: str, port: int) -> int:
 
 
 def serve_sandbox(args: argparse.Namespace) -> int:
-    from asyncgrpo.sandbox.process import CommandLimits, harden_server_process
+    from asyncgrpo.sandbox.process import CommandLimits, harden_server_process, inherit_limits
     from asyncgrpo.sandbox.server import ServerSettings, create_app
 
     token = read_token(SANDBOX_TOKEN_ENV, args.token_file)
@@ -121,6 +121,7 @@ def serve_sandbox(args: argparse.Namespace) -> int:
     )
     if limits.uid is not None:
         _check_traversable(args.workspace, limits.uid, limits.gid)
+    limits = inherit_limits(limits)
     hardening = harden_server_process()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     logging.getLogger("asyncgrpo.sandbox").info(

@@ -168,17 +168,28 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
         body = await request.body()
         timeout = settings.max_exec_seconds + _EXEC_SLACK_SECONDS
         if path == "/v1/exec":
+            # the sandbox must give up before we do: cap the exec's own timeout at ours, so a
+            # slow command ends as a timed-out result and never as a dropped connection
             try:
-                asked = float(json.loads(body).get("timeout_seconds") or settings.max_exec_seconds)
-                timeout = min(asked, settings.max_exec_seconds) + _EXEC_SLACK_SECONDS
+                doc = json.loads(body)
+                asked = doc.get("timeout_seconds") or settings.max_exec_seconds
+                doc["timeout_seconds"] = min(float(asked), settings.max_exec_seconds)
+                body = json.dumps(doc).encode()
+                timeout = doc["timeout_seconds"] + _EXEC_SLACK_SECONDS
             except (ValueError, TypeError, AttributeError):
-                pass  # the sandbox will refuse the body itself
+                pass  # the sandbox refuses the body itself, with its own error
         lease.in_flight += 1
         lease.last_seen = pool.clock()
         t0 = time.monotonic()
         try:
             r = await http.post(member.url + path, content=body,
                                 headers={"content-type": "application/json"}, timeout=timeout)
+        except httpx.TimeoutException as err:
+            # slow, not necessarily dead: the health check decides about the sandbox
+            metrics.proxy_errors.inc()
+            return JSONResponse(
+                {"error": "sandbox_timeout", "lease_id": lease_id, "sandbox": member.name,
+                 "detail": f"no answer within {timeout:g}s ({type(err).__name__})"}, status_code=504)
         except httpx.HTTPError as err:
             metrics.proxy_errors.inc()
             if pool.leases.get(lease_id) is lease:

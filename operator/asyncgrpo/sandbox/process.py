@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import os
 import resource
 import signal
@@ -41,6 +42,9 @@ class CommandLimits:
     max_memory_bytes: int = 0  # 0: left to the pod's cgroup limit
     uid: int | None = None  # drop to this uid/gid in the child (server started as root)
     gid: int | None = None
+    # True once `inherit_limits` set them on the server process itself: children inherit
+    # them and no preexec_fn is needed, which lets CPython spawn with vfork (non-root mode)
+    inherited: bool = False
 
 
 @dataclass
@@ -108,6 +112,30 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
+def use_pidfd_child_watcher() -> bool:
+    """Python 3.11 watches each child from its own thread; pidfds need none.
+
+    Threads count against RLIMIT_NPROC like processes, so with threads a fork bomb that
+    fills the budget could stop the server from even noticing its children exit.
+    (3.12+ uses pidfds by itself.)
+    """
+    import sys
+    import warnings
+
+    if sys.version_info >= (3, 12) or not hasattr(asyncio, "PidfdChildWatcher"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        watcher = asyncio.PidfdChildWatcher()
+        asyncio.set_child_watcher(watcher)
+        watcher.attach_loop(asyncio.get_running_loop())
+    return True
+
+
 def harden_server_process() -> dict[str, bool]:
     """Make this process a subreaper and non-dumpable.
 
@@ -121,15 +149,30 @@ def harden_server_process() -> dict[str, bool]:
     }
 
 
-def _child_setup(limits: CommandLimits) -> None:  # runs in the child between fork and exec
+def _set_limits(limits: CommandLimits, memory: bool) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if limits.max_procs > 0:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
     if limits.max_file_bytes > 0:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
-    if limits.max_memory_bytes > 0:
+    if memory and limits.max_memory_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (limits.max_memory_bytes, limits.max_memory_bytes))
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+def inherit_limits(limits: CommandLimits) -> CommandLimits:
+    """Set the command limits on this (server) process so every child inherits them.
+
+    RLIMIT_NPROC does not bind a root server (CAP_SYS_RESOURCE) but binds its children
+    once they drop to the command uid; a non-root server shares the budget with its
+    commands, which is what a pod's pid limit does anyway. RLIMIT_AS stays per child:
+    it would cap the server's own memory.
+    """
+    _set_limits(limits, memory=False)
+    return dataclasses.replace(limits, inherited=True)
+
+
+def _child_setup(limits: CommandLimits) -> None:  # runs in the child between fork and exec
+    _set_limits(limits, memory=True)
 
 
 def _proc_table() -> dict[int, tuple[int, bytes]]:
@@ -289,7 +332,7 @@ class Runner:
                 user=lim.uid,
                 group=lim.gid,
                 extra_groups=[] if lim.uid is not None else None,
-                preexec_fn=lambda: _child_setup(lim),
+                preexec_fn=None if lim.inherited and not lim.max_memory_bytes else (lambda: _child_setup(lim)),
             )
             proc = asyncio.subprocess.Process(transport, protocol, loop)
             self.live.add(proc.pid)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from asyncgrpo.sandbox.http_guard import GuardMiddleware, parse_body
 from asyncgrpo.sandbox.metrics import SandboxMetrics
-from asyncgrpo.sandbox.process import CommandLimits, Runner
+from asyncgrpo.sandbox.process import CommandLimits, Runner, use_pidfd_child_watcher
 from asyncgrpo.sandbox.workspace import PathRefused, Workspace
 
 DEFAULT_COMMAND_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -116,6 +116,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app):
+        use_pidfd_child_watcher()
         task = asyncio.create_task(reaper())
         try:
             yield

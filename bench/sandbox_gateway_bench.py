@@ -1,0 +1,233 @@
+"""Sandbox gateway benchmark: G concurrent groups x N execs over S sandbox servers.
+
+Starts S real sandbox servers and one gateway on loopback (the `asyncgrpo` CLI), then runs
+the same workload three ways and prints one table:
+
+- gateway:          each group leases a sandbox, runs its N execs through the gateway,
+                    releases (the gateway resets the sandbox); S groups run at a time.
+- direct exclusive: the same exclusivity without the gateway: S workers each own one
+                    server and take groups from a queue; exec then reset, straight to it.
+- direct shared:    no exclusivity at all: every group at once, group i on server i % S
+                    (what you would get without leases; not safe for real rollouts).
+
+Per-exec latency is measured at the client; the gateway's overhead is its p50/p99 minus
+those of "direct exclusive". Afterwards the gateway must show zero active leases, zero
+expired or broken ones, every group served, and every sandbox warm again.
+
+    .venv/bin/python bench/sandbox_gateway_bench.py --groups 64 --execs 20 --sandboxes 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+TOKEN = "bench-sandbox-token"
+GW_TOKEN = "bench-gateway-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(port)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+async def run_gateway(url: str, groups: int, execs: int, command: str) -> dict:
+    lat: list[float] = []
+    waits: list[float] = []
+    failures = 0
+    async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {GW_TOKEN}"}, timeout=600,
+                                 limits=httpx.Limits(max_connections=groups * 2)) as c:
+        async def group(g: int) -> None:
+            nonlocal failures
+            t0 = time.perf_counter()
+            r = await c.post("/v1/leases", json={"group_id": f"bench-{g}", "wait_seconds": 600})
+            if r.status_code != 200:
+                failures += 1
+                return
+            waits.append(time.perf_counter() - t0)
+            lid = r.json()["lease_id"]
+            for _ in range(execs):
+                t = time.perf_counter()
+                e = await c.post(f"/v1/leases/{lid}/exec", json={"command": command})
+                lat.append(time.perf_counter() - t)
+                if e.status_code != 200 or e.json()["exit_code"] != 0:
+                    failures += 1
+            await c.delete(f"/v1/leases/{lid}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(group(g) for g in range(groups)))
+        wall = time.perf_counter() - t0
+    return {"lat": lat, "wall": wall, "failures": failures, "lease_wait": waits}
+
+
+async def run_direct_exclusive(urls: list[str], groups: int, execs: int, command: str) -> dict:
+    lat: list[float] = []
+    failures = 0
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for g in range(groups):
+        queue.put_nowait(g)
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {TOKEN}"}, timeout=600,
+                                 limits=httpx.Limits(max_connections=len(urls) * 2)) as c:
+        async def worker(url: str) -> None:
+            nonlocal failures
+            while not queue.empty():
+                queue.get_nowait()
+                for _ in range(execs):
+                    t = time.perf_counter()
+                    e = await c.post(f"{url}/v1/exec", json={"command": command})
+                    lat.append(time.perf_counter() - t)
+                    if e.status_code != 200 or e.json()["exit_code"] != 0:
+                        failures += 1
+                await c.post(f"{url}/v1/reset")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(u) for u in urls))
+        wall = time.perf_counter() - t0
+    return {"lat": lat, "wall": wall, "failures": failures}
+
+
+async def run_direct_shared(urls: list[str], groups: int, execs: int, command: str) -> dict:
+    lat: list[float] = []
+    failures = 0
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {TOKEN}"}, timeout=600,
+                                 limits=httpx.Limits(max_connections=groups * 2)) as c:
+        async def group(g: int) -> None:
+            nonlocal failures
+            url = urls[g % len(urls)]
+            for _ in range(execs):
+                t = time.perf_counter()
+                e = await c.post(f"{url}/v1/exec", json={"command": command, "session": f"g{g}"})
+                lat.append(time.perf_counter() - t)
+                if e.status_code != 200 or e.json()["exit_code"] != 0:
+                    failures += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(group(g) for g in range(groups)))
+        wall = time.perf_counter() - t0
+    return {"lat": lat, "wall": wall, "failures": failures}
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--execs", type=int, default=20)
+    ap.add_argument("--sandboxes", type=int, default=8)
+    ap.add_argument("--command", default="echo hi")
+    args = ap.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="asyncgrpo-bench-"))
+    base.chmod(0o711)
+    procs: list[subprocess.Popen] = []
+    cli = [sys.executable, "-m", "asyncgrpo.cli"]
+    env = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN}
+    try:
+        urls = []
+        for i in range(args.sandboxes):
+            port = free_port()
+            p = subprocess.Popen([*cli, "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port),
+                                  "--workspace", str(base / f"ws{i}")], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            wait_port(port, p)
+            urls.append(f"http://127.0.0.1:{port}")
+        gport = free_port()
+        gw = subprocess.Popen([*cli, "gateway", "--host", "127.0.0.1", "--port", str(gport), "--members",
+                               ",".join(urls), "--health-interval-seconds", "1"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(gw)
+        wait_port(gport, gw)
+        gurl = f"http://127.0.0.1:{gport}"
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{gurl}/v1/demand").json()["idle"] < args.sandboxes:
+            if time.monotonic() > deadline:
+                raise TimeoutError("pool did not become warm")
+            time.sleep(0.2)
+
+        results = {
+            "direct shared": asyncio.run(run_direct_shared(urls, args.groups, args.execs, args.command)),
+            "direct exclusive": asyncio.run(run_direct_exclusive(urls, args.groups, args.execs, args.command)),
+            "gateway": asyncio.run(run_gateway(gurl, args.groups, args.execs, args.command)),
+        }
+        # let the last resets finish, then audit the gateway's books
+        deadline = time.monotonic() + 60
+        while True:
+            d = httpx.get(f"{gurl}/v1/demand").json()
+            if d["idle"] == args.sandboxes or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        m = httpx.get(f"{gurl}/metrics").text
+        released = metric(m, 'asyncgrpo_gateway_leases_ended_total{how="released"}')
+        expired = metric(m, 'asyncgrpo_gateway_leases_ended_total{how="expired"}')
+        broken = metric(m, 'asyncgrpo_gateway_leases_ended_total{how="broken"}')
+        cold = metric(m, 'asyncgrpo_gateway_lease_wait_seconds_count{start="cold"}')
+        warm = metric(m, 'asyncgrpo_gateway_lease_wait_seconds_count{start="warm"}')
+
+        n = args.groups * args.execs
+        print(f"\n{args.groups} groups x {args.execs} execs of {args.command!r} over {args.sandboxes} sandbox "
+              f"servers ({os.cpu_count()} CPUs)\n")
+        print(f"{'mode':<18}{'execs/s':>10}{'wall s':>9}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'failed':>8}")
+        for mode, r in results.items():
+            lat = r["lat"]
+            print(f"{mode:<18}{len(lat) / r['wall']:>10.1f}{r['wall']:>9.2f}{pct(lat, .5) * 1e3:>9.2f}"
+                  f"{pct(lat, .99) * 1e3:>9.2f}{statistics.mean(lat) * 1e3:>9.2f}{r['failures']:>8}")
+        g, x = results["gateway"]["lat"], results["direct exclusive"]["lat"]
+        print(f"\ngateway overhead per exec vs direct exclusive: p50 +{(pct(g, .5) - pct(x, .5)) * 1e3:.2f} ms, "
+              f"p99 +{(pct(g, .99) - pct(x, .99)) * 1e3:.2f} ms; throughput ratio "
+              f"{(len(g) / results['gateway']['wall']) / (len(x) / results['direct exclusive']['wall']):.2f}")
+        lw = results["gateway"]["lease_wait"]
+        print(f"lease wait: p50 {pct(lw, .5) * 1e3:.1f} ms, p99 {pct(lw, .99) * 1e3:.1f} ms "
+              f"({warm:.0f} warm, {cold:.0f} cold)")
+        ok = (len(g) == n and released == args.groups and expired == 0 and broken == 0
+              and d["leases_active"] == 0 and d["busy"] == 0 and d["idle"] == args.sandboxes)
+        print(f"leases: {released:.0f} released of {args.groups} groups, {expired:.0f} expired, {broken:.0f} broken; "
+              f"after: {d['leases_active']} active, {d['busy']} busy, {d['idle']} idle -> "
+              f"{'no lost or leaked leases' if ok else 'LOST OR LEAKED LEASES'}")
+        return 0 if ok else 1
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""`asyncgrpo operator`: run the kopf operator.
+
+    asyncgrpo operator --all-namespaces --peering asyncgrpo
+    asyncgrpo operator --namespace team-a --namespace team-b
+
+Flags have ASYNCGRPO_OPERATOR_* environment defaults, so the Helm chart sets env, not argv.
+With --peering, replicas elect one active operator through kopf's peering objects (the
+chart installs their CRDs); without it the operator runs standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+E = "ASYNCGRPO_OPERATOR_"
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(E + name, default)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", action="append", default=None,
+                       help=f"watch this namespace (repeatable) [env {E}NAMESPACES, comma list]")
+    scope.add_argument("--all-namespaces", action="store_true",
+                       default=_env("ALL_NAMESPACES", "") in ("1", "true"),
+                       help=f"watch every namespace [env {E}ALL_NAMESPACES]")
+    p.add_argument("--peering", default=_env("PEERING", None),
+                   help="kopf peering name: replicas with the same name never act together "
+                        "(omit to run standalone)")
+    p.add_argument("--priority", type=int, default=int(_env("PRIORITY", "0") or 0),
+                   help="peering priority; the highest-priority replica acts")
+    p.add_argument("--metrics-address", default=_env("METRICS_ADDRESS", "0.0.0.0"))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "8080") or 0),
+                   help="port of the Prometheus endpoint; 0 turns it off")
+    p.add_argument("--health-port", type=int, default=int(_env("HEALTH_PORT", "8081") or 0),
+                   help="port of /healthz (kopf's liveness endpoint); 0 turns it off")
+    p.add_argument("--resync-seconds", type=float,
+                   default=float(_env("RESYNC_SECONDS", "10") or 10),
+                   help="seconds between reconciles of each run (status, pool, progress)")
+    p.add_argument("--gateway-url", default=_env("GATEWAY_URL", None),
+                   help="URL template of a run's gateway ({name}, {namespace})")
+    p.add_argument("--trainer-metrics-url", default=_env("TRAINER_METRICS_URL", None),
+                   help="URL template of rank 0's metrics ({name}, {namespace}, {port})")
+    p.add_argument("--verbose", action="store_true")
+    p.set_defaults(func=run_operator)
+
+
+def namespaces(args: argparse.Namespace) -> list[str]:
+    if args.namespace:
+        return list(args.namespace)
+    env = _env("NAMESPACES", "") or ""
+    return [n.strip() for n in env.split(",") if n.strip()]
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    # kopf fixes timer intervals when the handlers module is imported
+    os.environ[E + "RESYNC_SECONDS"] = str(args.resync_seconds)
+    import asyncio
+
+    import kopf
+    from prometheus_client import start_http_server
+
+    from asyncgrpo.controller import handlers  # noqa: F401  (registers the handlers)
+    from asyncgrpo.controller.runtime import Runtime, Settings
+
+    watched = namespaces(args)
+    if not watched and not args.all_namespaces:
+        raise SystemExit("asyncgrpo operator: give --namespace NS (repeatable) or --all-namespaces")
+    settings = Settings()
+    if args.gateway_url:
+        settings.gateway_url = args.gateway_url
+    if args.trainer_metrics_url:
+        settings.trainer_metrics_url = args.trainer_metrics_url
+    rt = Runtime(settings)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, args.metrics_address, registry=rt.metrics.registry)
+    kopf.configure(verbose=args.verbose)
+    asyncio.run(kopf.operator(
+        clusterwide=args.all_namespaces,
+        namespaces=watched,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        priority=args.priority,
+        liveness_endpoint=(f"http://0.0.0.0:{args.health_port}/healthz"
+                           if args.health_port else None),
+        memo=kopf.Memo(runtime=rt),
+    ))
+    return 0

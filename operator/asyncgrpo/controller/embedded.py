@@ -1,0 +1,65 @@
+"""The operator in a background thread of this process: for tests and benchmarks.
+
+Same handlers and settings as `asyncgrpo operator`, with a stop flag instead of signals,
+so a test can start it, restart it mid-run, or run two peered replicas side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from asyncgrpo.controller.runtime import Runtime, Settings
+
+
+class EmbeddedOperator:
+    def __init__(self, namespaces: list[str] | None = None, settings: Settings | None = None,
+                 peering: str | None = None, priority: int = 0):
+        self.runtime = Runtime(settings or Settings())
+        self.namespaces = namespaces
+        self.peering = peering
+        self.priority = priority
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _main(self) -> None:
+        import kopf
+
+        from asyncgrpo.controller import handlers  # noqa: F401
+
+        try:
+            asyncio.run(kopf.operator(
+                clusterwide=not self.namespaces,
+                namespaces=self.namespaces or (),
+                standalone=self.peering is None,
+                peering_name=self.peering,
+                priority=self.priority,
+                stop_flag=self._stop,
+                ready_flag=self._ready,
+                memo=kopf.Memo(runtime=self.runtime),
+            ))
+        except BaseException as e:  # surfaced by start()/stop()
+            self.error = e
+
+    def start(self, timeout: float = 60.0) -> EmbeddedOperator:
+        self._thread = threading.Thread(target=self._main, name="asyncgrpo-operator",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"operator not ready after {timeout}s: {self.error!r}")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.error is not None and not isinstance(self.error, asyncio.CancelledError):
+            raise self.error
+
+    def __enter__(self) -> EmbeddedOperator:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

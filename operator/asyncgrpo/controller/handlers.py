@@ -1,0 +1,177 @@
+"""kopf handlers: thin wiring from events to `reconcile`, status patches and events.
+
+- Indexes keep a summary of every child (label managed-by=asyncgrpo-operator) per run, fed
+  by watches, so a reconcile reads memory, not the API server.
+- The run is reconciled on create, on spec changes, on operator start (resume), and by a
+  timer every `resync_seconds` (status, pool scaling, progress). A per-run lock lets only
+  one of them act at a time; a reconcile that finds the lock taken skips: the running one,
+  or the next tick, covers it.
+- The finalizer (kopf's, added because of the delete handler) applies the bucket's
+  deletionPolicy; children go with the run through their ownerReferences.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import kopf
+
+from asyncgrpo import API_GROUP, API_VERSION
+from asyncgrpo.controller import bucket, observe, reconcile
+from asyncgrpo.controller.common import MANAGED_BY, RUN_LABEL
+from asyncgrpo.controller.runtime import Runtime, Settings
+
+log = logging.getLogger("asyncgrpo.operator")
+#: Seconds between timer reconciles of one run; read at import (kopf fixes timer intervals
+#: when handlers register), set by `asyncgrpo operator --resync-seconds`.
+RESYNC_SECONDS = float(os.environ.get("ASYNCGRPO_OPERATOR_RESYNC_SECONDS", "10"))
+RUNS = {"group": API_GROUP, "version": API_VERSION, "plural": "asyncgrporuns"}
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, RUN_LABEL: kopf.PRESENT}
+
+#: (group, version, plural) of every child kind the operator watches; index id per kind.
+CHILD_RESOURCES = {
+    "idx_pods": ("", "v1", "pods"),
+    "idx_configmaps": ("", "v1", "configmaps"),
+    "idx_services": ("", "v1", "services"),
+    "idx_serviceaccounts": ("", "v1", "serviceaccounts"),
+    "idx_deployments": ("apps", "v1", "deployments"),
+    "idx_statefulsets": ("apps", "v1", "statefulsets"),
+    "idx_networkpolicies": ("networking.k8s.io", "v1", "networkpolicies"),
+    "idx_roles": ("rbac.authorization.k8s.io", "v1", "roles"),
+    "idx_rolebindings": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+}
+
+KINDS = {"pods": "Pod", "configmaps": "ConfigMap", "services": "Service",
+         "serviceaccounts": "ServiceAccount", "deployments": "Deployment",
+         "statefulsets": "StatefulSet", "networkpolicies": "NetworkPolicy", "roles": "Role",
+         "rolebindings": "RoleBinding"}
+
+
+def runtime(memo: Any) -> Runtime:
+    return memo.runtime
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # progress and the last-handled spec live in annotations of our group; status stays ours
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING       # no event per routine timer tick
+    settings.posting.reporting_component = MANAGED_BY
+    settings.execution.max_workers = 16
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    if getattr(memo, "runtime", None) is None:
+        memo.runtime = Runtime(Settings())
+    rt = runtime(memo)
+    if rt.kube is None:
+        rt.kube = make_kube(rt)
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: its service account; elsewhere: KUBECONFIG, read now (not at import)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def make_kube(rt: Runtime):
+    from kubernetes import client, config
+
+    from asyncgrpo.controller.kube import Kube
+
+    try:
+        config.load_incluster_config()
+        api = client.ApiClient()
+    except config.ConfigException:
+        # read KUBECONFIG now: the client library reads it once, at its import
+        api = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+    return Kube(api, on_write=lambda verb, kind: rt.metrics.api_writes.labels(verb, kind).inc())
+
+
+def _summarize(body: kopf.Body, memo: kopf.Memo, resource: kopf.Resource,
+               **_: Any) -> dict[tuple[str, str], observe.Child]:
+    delay = runtime(memo).settings.pod_watch_delay_seconds if resource.plural == "pods" else 0
+    if delay:
+        time.sleep(delay)
+    doc = dict(body)
+    doc["kind"] = KINDS[resource.plural]
+    return {(body.metadata.namespace, body.metadata.labels[RUN_LABEL]): observe.summarize(doc)}
+
+
+for _id, (_group, _version, _plural) in CHILD_RESOURCES.items():
+    kopf.index(group=_group, version=_version, plural=_plural, id=_id,
+               labels=MANAGED)(_summarize)
+
+
+def _children(kwargs: dict[str, Any], key: tuple[str, str]) -> list[observe.Child]:
+    out: list[observe.Child] = []
+    for idx in CHILD_RESOURCES:
+        store = kwargs[idx].get(key)
+        if store:
+            out.extend(store)
+    return out
+
+
+def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: Any) -> None:
+    rt = runtime(memo)
+    key = (body.metadata.namespace, body.metadata.name)
+    if body.metadata.get("deletionTimestamp"):
+        return
+    state = rt.run(key)
+    if not state.lock.acquire(blocking=False):
+        return
+    t0 = time.perf_counter()
+    try:
+        out = reconcile.reconcile(rt, dict(body), _children(kwargs, key))
+    except Exception as e:
+        rt.metrics.reconcile_errors.labels(type(e).__name__).inc()
+        raise
+    finally:
+        state.lock.release()
+        rt.metrics.reconcile_seconds.observe(time.perf_counter() - t0)
+    old = body.status or {}
+    for k, v in out.status.items():
+        if old.get(k) != v:
+            patch.status[k] = v
+    for ev in out.events:
+        kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+    rt.metrics.set_phase(*key, out.status.get("phase"))
+    rt.metrics.set_status(*key, out.status)
+    if out.delete_run:
+        kopf.event(body, type="Normal", reason="TTLExpired",
+                   message="deleting the finished run (ttlSecondsAfterFinished)")
+        rt.kube.delete("AsyncGRPORun", *key)
+
+
+@kopf.on.resume(**RUNS)
+@kopf.on.create(**RUNS)
+@kopf.on.update(**RUNS, field="spec")
+def on_change(**kwargs: Any) -> None:
+    _reconcile(**kwargs)
+
+
+@kopf.timer(**RUNS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def on_timer(**kwargs: Any) -> None:
+    _reconcile(**kwargs)
+
+
+@kopf.on.delete(**RUNS)
+def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    rt = runtime(memo)
+    key = (body.metadata.namespace, body.metadata.name)
+    run, _errors = reconcile.validate_run(reconcile.run_document(dict(body)))
+    try:
+        if run is not None and run.spec.adapter_store.deletion_policy == "Delete":
+            creds = reconcile.read_credentials(rt, run)
+            n = bucket.delete_run_objects(run.spec.adapter_store, creds, run.metadata.name)
+            logger.info("deleted %d objects of %s from the bucket", n, run.metadata.name)
+    except bucket.BucketError as e:
+        if e.reason == "EndpointUnreachable":
+            raise kopf.TemporaryError(e.message, delay=15) from None
+        kopf.event(body, type="Warning", reason=e.reason,
+                   message=f"bucket objects kept: {e.message}")
+    rt.forget(key)

@@ -1,0 +1,107 @@
+"""The few API calls the operator makes, on plain dict bodies, each write counted.
+
+The typed client drops fields it does not model (and empty-string defaults); the dynamic
+client runs discovery at start. Children are a fixed set of kinds, so their paths are a
+table here and bodies go over `ApiClient.call_api` as JSON. Updates are JSON merge patches
+of what the builder produced: fields the API server defaulted stay as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+
+from asyncgrpo import API_GROUP, API_VERSION
+
+# kind -> (API path prefix, plural)
+RESOURCES: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Secret": ("/api/v1", "secrets"),
+    "Service": ("/api/v1", "services"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Pod": ("/api/v1", "pods"),
+    "Event": ("/api/v1", "events"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "AsyncGRPORun": (f"/apis/{API_GROUP}/{API_VERSION}", "asyncgrporuns"),
+}
+
+
+def path(kind: str, namespace: str, name: str | None = None) -> str:
+    prefix, plural = RESOURCES[kind]
+    p = f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{p}/{name}" if name else p
+
+
+def request(api: ApiClient, method: str, url: str, body: Any = None,
+            content_type: str = "application/json", query: list | None = None,
+            raw: bool = False) -> Any:
+    """One REST call; the decoded JSON answer (None if empty), or bytes with `raw`."""
+    m, full, headers, data, post = api.param_serialize(
+        method, url, query_params=query or [], body=body,
+        header_params={"Content-Type": content_type, "Accept": "application/json"},
+        auth_settings=["BearerToken"])
+    resp = api.call_api(m, full, header_params=headers, body=data, post_params=post,
+                        _request_timeout=30)
+    resp.read()
+    if not 200 <= resp.status < 300:
+        raise ApiException(http_resp=resp)
+    if raw:
+        return resp.data
+    return json.loads(resp.data) if resp.data else None
+
+
+class Kube:
+    """Create, patch, delete and get namespaced objects; `on_write(verb, kind)` counts writes."""
+
+    def __init__(self, api: ApiClient, on_write: Callable[[str, str], None] | None = None):
+        self.api = api
+        self.on_write = on_write or (lambda verb, kind: None)
+
+    def _call(self, method: str, url: str, body: Any = None,
+              content_type: str = "application/json", query: list | None = None) -> Any:
+        return request(self.api, method, url, body, content_type, query)
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", path(kind, namespace, name))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Create; None if it already exists (a cache that lagged behind an earlier create)."""
+        kind, ns = obj["kind"], obj["metadata"]["namespace"]
+        self.on_write("create", kind)
+        try:
+            return self._call("POST", path(kind, ns), body=obj)
+        except ApiException as e:
+            if e.status == 409:
+                return None
+            raise
+
+    def patch(self, obj: dict[str, Any]) -> dict[str, Any]:
+        kind, meta = obj["kind"], obj["metadata"]
+        self.on_write("patch", kind)
+        return self._call("PATCH", path(kind, meta["namespace"], meta["name"]), body=obj,
+                          content_type="application/merge-patch+json")
+
+    def delete(self, kind: str, namespace: str, name: str,
+               propagation: str = "Background") -> bool:
+        self.on_write("delete", kind)
+        try:
+            self._call("DELETE", path(kind, namespace, name),
+                       body={"propagationPolicy": propagation})
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise

@@ -1,0 +1,89 @@
+"""The operator's Prometheus metrics (`asyncgrpo_operator_*`), in their own registry.
+
+Run-level gauges mirror the trainer's numbers so one dashboard can show every run without
+scraping every trainer; their series are removed when a run is deleted, so the operator's
+endpoint does not grow with the history of the cluster.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PHASES = ("Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed")
+SANDBOX_STATES = ("warm", "busy", "starting", "failed")
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        run = ["namespace", "run"]
+        self.runs = Gauge("asyncgrpo_operator_runs", "Runs by phase.", ["phase"], registry=r)
+        self.sandboxes = Gauge("asyncgrpo_operator_sandboxes", "Sandbox pods by state.",
+                               [*run, "state"], registry=r)
+        self.spawned = Counter("asyncgrpo_operator_sandboxes_spawned_total",
+                               "Sandbox pods created.", run, registry=r)
+        self.reconcile_seconds = Histogram(
+            "asyncgrpo_operator_reconcile_seconds", "Time of one reconcile of one run.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.reconcile_errors = Counter("asyncgrpo_operator_reconcile_errors_total",
+                                        "Reconciles that raised, by exception type.",
+                                        ["error"], registry=r)
+        self.api_writes = Counter("asyncgrpo_operator_api_writes_total",
+                                  "Kubernetes API writes made by the reconcile.",
+                                  ["verb", "kind"], registry=r)
+        self.policy_version = Gauge("asyncgrpo_operator_run_policy_version",
+                                    "Newest adapter version the trainer published.", run,
+                                    registry=r)
+        self.step = Gauge("asyncgrpo_operator_run_step", "Optimizer steps done.", run,
+                          registry=r)
+        self.tokens_per_second = Gauge("asyncgrpo_operator_run_tokens_per_second",
+                                       "Training throughput (raw: rollout tokens; unique: "
+                                       "tokens forwarded after tree packing).",
+                                       [*run, "kind"], registry=r)
+        self.compression = Gauge("asyncgrpo_operator_run_tree_compression_ratio",
+                                 "Raw / forwarded tokens of tree packing.", run, registry=r)
+        self._phases: dict[tuple[str, str], str] = {}
+        for p in PHASES:
+            self.runs.labels(p).set(0)
+
+    def set_phase(self, ns: str, name: str, phase: str | None) -> None:
+        if phase is None:
+            self._phases.pop((ns, name), None)
+        else:
+            self._phases[(ns, name)] = phase
+        for p in PHASES:
+            self.runs.labels(p).set(sum(1 for v in self._phases.values() if v == p))
+
+    def set_status(self, ns: str, name: str, status: dict) -> None:
+        for state in SANDBOX_STATES:
+            self.sandboxes.labels(ns, name, state).set(
+                (status.get("sandboxes") or {}).get(state, 0))
+        if "policyVersion" in status:
+            self.policy_version.labels(ns, name).set(status["policyVersion"])
+        if "step" in status:
+            self.step.labels(ns, name).set(status["step"])
+        tp = status.get("throughput") or {}
+        if "rawTokensPerSecond" in tp:
+            self.tokens_per_second.labels(ns, name, "raw").set(tp["rawTokensPerSecond"])
+        if "uniqueTokensPerSecond" in tp:
+            self.tokens_per_second.labels(ns, name, "unique").set(tp["uniqueTokensPerSecond"])
+        if "treeCompressionRatio" in tp:
+            self.compression.labels(ns, name).set(tp["treeCompressionRatio"])
+
+    def forget(self, ns: str, name: str) -> None:
+        self.set_phase(ns, name, None)
+        for g in (self.spawned, self.policy_version, self.step, self.compression):
+            try:
+                g.remove(ns, name)
+            except KeyError:
+                pass
+        for state in SANDBOX_STATES:
+            try:
+                self.sandboxes.remove(ns, name, state)
+            except KeyError:
+                pass
+        for kind in ("raw", "unique"):
+            try:
+                self.tokens_per_second.remove(ns, name, kind)
+            except KeyError:
+                pass

@@ -1,0 +1,108 @@
+"""NetworkPolicies: sandboxes talk only to the gateway; the run's servers only to each other.
+
+- sandbox pods: ingress only from the run's gateway, on the sandbox port; egress denied except
+  the spec's allow-list (CIDRs, and host names resolved by the operator to /32 or /128
+  blocks, with DNS to kube-dns opened only when host names are listed);
+- trainer, vLLM and gateway: ingress only from the run's own pods and from the metrics
+  scrapers (Prometheus, the operator), given as NetworkPolicy peers in the operator settings.
+Egress of the trainer and vLLM stays open: they must reach the bucket and model storage,
+which may be anywhere.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun
+from asyncgrpo.controller import gateway, sandboxes, trainer, vllm
+from asyncgrpo.controller.common import (
+    GATEWAY_PORT,
+    SANDBOX_PORT,
+    VLLM_PORT,
+    metadata,
+    name,
+    selector,
+    stamp,
+)
+
+#: Default scrapers: pods named prometheus or asyncgrpo-operator, in any namespace.
+DEFAULT_SCRAPERS: list[dict[str, Any]] = [
+    {"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "prometheus"}}},
+    {"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "asyncgrpo-operator"}}},
+]
+
+KUBE_DNS_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+
+
+def _peer(run: AsyncGRPORun, component: str) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": selector(run, component)}}
+
+
+def _policy(run: AsyncGRPORun, component: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return stamp({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(run, component, name(run, component)),
+        "spec": {"podSelector": {"matchLabels": selector(run, component)}, **spec},
+    })
+
+
+def host_blocks(addresses: list[str]) -> list[str]:
+    """Resolved addresses as single-host CIDRs, sorted so the policy hash is stable."""
+    out = set()
+    for a in addresses:
+        ip = ipaddress.ip_address(a)
+        out.add(f"{ip}/{32 if ip.version == 4 else 128}")
+    return sorted(out)
+
+
+def build_sandbox_policy(run: AsyncGRPORun, resolved_hosts: list[str]) -> dict[str, Any]:
+    net = run.spec.sandboxes.network  # type: ignore[union-attr]
+    cidrs = sorted(set(net.allowed_egress_cidrs) | set(host_blocks(resolved_hosts)))
+    egress: list[dict[str, Any]] = []
+    if cidrs:
+        egress.append({"to": [{"ipBlock": {"cidr": c}} for c in cidrs]})
+    if net.allowed_egress_hosts:
+        egress.append({"to": [KUBE_DNS_PEER], "ports": [{"protocol": "UDP", "port": 53},
+                                                        {"protocol": "TCP", "port": 53}]})
+    return _policy(run, sandboxes.COMPONENT, {
+        "policyTypes": ["Ingress", "Egress"],
+        "ingress": [{"from": [_peer(run, gateway.COMPONENT)],
+                     "ports": [{"protocol": "TCP", "port": SANDBOX_PORT}]}],
+        "egress": egress,
+    })
+
+
+def _ingress_only(run: AsyncGRPORun, component: str, ports: list[int], peers: list[str],
+                  scrapers: list[dict[str, Any]], metrics_port: int) -> dict[str, Any]:
+    tcp = [{"protocol": "TCP", "port": p} for p in ports]
+    rules = [{"from": [_peer(run, c) for c in peers], "ports": tcp}]
+    if scrapers:
+        rules.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": metrics_port}]})
+    return _policy(run, component, {"policyTypes": ["Ingress"], "ingress": rules})
+
+
+def build_policies(run: AsyncGRPORun, resolved_hosts: list[str] | None = None,
+                   scrapers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    scrapers = DEFAULT_SCRAPERS if scrapers is None else scrapers
+    metrics = run.spec.trainer.metrics_port
+    # the trainer reaches itself (rendezvous, NCCL/gloo on any port) and is scraped
+    trainer_rules = {"policyTypes": ["Ingress"], "ingress": [
+        {"from": [_peer(run, trainer.COMPONENT)]},
+        {"from": [_peer(run, vllm.COMPONENT)],
+         "ports": [{"protocol": "TCP", "port": metrics}]},
+        *([{"from": scrapers, "ports": [{"protocol": "TCP", "port": metrics}]}]
+          if scrapers else []),
+    ]}
+    out = [
+        _policy(run, trainer.COMPONENT, trainer_rules),
+        _ingress_only(run, vllm.COMPONENT, [VLLM_PORT], [trainer.COMPONENT], scrapers, VLLM_PORT),
+    ]
+    if run.spec.sandboxes is not None:
+        out.append(_ingress_only(run, gateway.COMPONENT, [GATEWAY_PORT], [trainer.COMPONENT],
+                                 scrapers, GATEWAY_PORT))
+        out.append(build_sandbox_policy(run, resolved_hosts or []))
+    return out

@@ -1,0 +1,84 @@
+"""Summaries of child objects, as the operator's indexes keep them.
+
+The operator watches its children (label `app.kubernetes.io/managed-by=asyncgrpo-operator`)
+and keeps, per run, only what the reconcile and the status need: the spec hash, readiness,
+and the reasons a pod is stuck (image pulls, scheduling, crashes). Pure functions of the
+object body, so the status logic can be tested on plain dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncgrpo.controller.common import COMPONENT_LABEL, HASH_ANNOTATION
+
+#: Container waiting reasons a user must act on (not transient start-up states).
+STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+                           "CrashLoopBackOff", "CreateContainerConfigError",
+                           "CreateContainerError", "RunContainerError"})
+
+
+@dataclass(frozen=True)
+class Child:
+    kind: str
+    name: str
+    component: str
+    hash: str | None
+    deleting: bool = False
+    replicas: int = 0
+    ready_replicas: int = 0
+    up_to_date: bool = True
+    phase: str = ""
+    ready: bool = False
+    unschedulable: bool = False
+    problem: str = ""          # reason, e.g. ImagePullBackOff
+    problem_message: str = ""
+    exit_codes: tuple[int, ...] = field(default_factory=tuple)
+    restarts: int = 0
+
+
+def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
+    conds = {c.get("type"): c for c in status.get("conditions") or []}
+    sched = conds.get("PodScheduled", {})
+    out: dict[str, Any] = {
+        "phase": status.get("phase", "Pending"),
+        "ready": conds.get("Ready", {}).get("status") == "True",
+        "unschedulable": sched.get("status") == "False" and sched.get("reason") == "Unschedulable",
+    }
+    problem, message, codes, restarts = "", "", [], 0
+    for cs in status.get("containerStatuses") or []:
+        restarts += int(cs.get("restartCount", 0))
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_REASONS and not problem:
+            problem, message = waiting["reason"], waiting.get("message", "")
+        for key in ("state", "lastState"):
+            term = (cs.get(key) or {}).get("terminated")
+            if term is not None and "exitCode" in term:
+                codes.append(int(term["exitCode"]))
+    if out["unschedulable"] and not problem:
+        problem, message = "Unschedulable", sched.get("message", "")
+    out |= {"problem": problem, "problem_message": message[:300],
+            "exit_codes": tuple(codes), "restarts": restarts}
+    return out
+
+
+def summarize(body: dict[str, Any]) -> Child:
+    meta = body.get("metadata") or {}
+    kind = body.get("kind", "")
+    status = body.get("status") or {}
+    spec = body.get("spec") or {}
+    fields: dict[str, Any] = {}
+    if kind == "Pod":
+        fields = _pod_fields(status)
+    elif kind in ("Deployment", "StatefulSet"):
+        fields = {
+            "replicas": int(spec.get("replicas", 1)),
+            "ready_replicas": int(status.get("readyReplicas") or 0),
+            "up_to_date": int(status.get("observedGeneration") or 0)
+            >= int(meta.get("generation") or 0),
+        }
+    return Child(kind=kind, name=meta.get("name", ""),
+                 component=(meta.get("labels") or {}).get(COMPONENT_LABEL, ""),
+                 hash=(meta.get("annotations") or {}).get(HASH_ANNOTATION),
+                 deleting=bool(meta.get("deletionTimestamp")), **fields)

@@ -1,0 +1,54 @@
+"""Training progress, read from the trainer's Prometheus endpoint and mirrored into status.
+
+The contract with the trainer is the metric names below (rank 0's endpoint on
+spec.trainer.metricsPort). A missing metric leaves the field as it was: the trainer may not
+have finished a step yet, and status must never go backwards because of a failed scrape.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+METRICS = {
+    "asyncgrpo_trainer_step": "step",
+    "asyncgrpo_trainer_policy_version": "policy_version",
+    "asyncgrpo_trainer_served_policy_version": "served_policy_version",
+    "asyncgrpo_trainer_raw_tokens_per_second": "raw_tokens_per_second",
+    "asyncgrpo_trainer_unique_tokens_per_second": "unique_tokens_per_second",
+    "asyncgrpo_trainer_tree_compression_ratio": "tree_compression_ratio",
+}
+
+
+@dataclass
+class Progress:
+    step: int | None = None
+    policy_version: int | None = None
+    served_policy_version: int | None = None
+    raw_tokens_per_second: float | None = None
+    unique_tokens_per_second: float | None = None
+    tree_compression_ratio: float | None = None
+
+
+def parse(text: str) -> Progress:
+    out = Progress()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            attr = METRICS.get(sample.name)
+            if attr is None:
+                continue
+            value = sample.value
+            setattr(out, attr, int(value) if attr in ("step", "policy_version",
+                                                       "served_policy_version") else float(value))
+    return out
+
+
+def scrape(url: str, timeout: float = 2.0) -> Progress | None:
+    """The trainer's numbers, or None if its endpoint does not answer (not started yet)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (cluster URL)
+            return parse(resp.read(1 << 22).decode("utf-8", "replace"))
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,55 @@
+"""ServiceAccounts and Roles of a run's workloads: least privilege, tokens only where needed.
+
+- `<run>-workload` (trainer, vLLM): no Role, no token mounted; they talk to S3 and each
+  other, never to the Kubernetes API.
+- `<run>-gateway`: a Role that can only read pods in the run's namespace (get, list, watch),
+  which is how it finds the run's sandbox pods by label. RBAC cannot narrow list/watch to a
+  label selector, so the gateway sees pod objects of its namespace, not their secrets and
+  never a write.
+- `<run>-sandbox`: no Role and `automountServiceAccountToken: false` on the account itself,
+  so even a pod spec that asked for one would get no token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun
+from asyncgrpo.controller import gateway, sandboxes
+from asyncgrpo.controller.common import metadata, name, stamp
+
+WORKLOAD = "workload"
+
+
+def _account(run: AsyncGRPORun, component: str, automount: bool) -> dict[str, Any]:
+    return stamp({"apiVersion": "v1", "kind": "ServiceAccount",
+                  "metadata": metadata(run, component),
+                  "automountServiceAccountToken": automount})
+
+
+def build_rbac(run: AsyncGRPORun) -> list[dict[str, Any]]:
+    out = [_account(run, WORKLOAD, automount=False)]
+    if run.spec.sandboxes is None:
+        return out
+    gw = name(run, gateway.COMPONENT)
+    out += [
+        _account(run, gateway.COMPONENT, automount=True),
+        stamp({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(run, gateway.COMPONENT),
+            "rules": [{"apiGroups": [""], "resources": ["pods"],
+                       "verbs": ["get", "list", "watch"]}],
+        }),
+        stamp({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(run, gateway.COMPONENT),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": gw},
+            "subjects": [{"kind": "ServiceAccount", "name": gw,
+                          **({"namespace": run.metadata.namespace}
+                             if run.metadata.namespace else {})}],
+        }),
+        _account(run, sandboxes.COMPONENT, automount=False),
+    ]
+    return out

@@ -1,0 +1,315 @@
+"""One reconcile of one run: compare what the indexes show with what the builders want,
+write only the difference, and compute the status.
+
+Order: validate -> bucket -> token Secret -> children (trainer gated on vLLM and the gateway)
+-> sandbox pool -> progress -> status. At steady state every step finds nothing to do, so a
+reconcile costs no API write; reads are the indexes (memory) and, for a running run, one
+HTTP scrape of the trainer and one of the gateway's demand.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun
+from asyncgrpo.api.validation import validate_run
+from asyncgrpo.controller import bucket, pool, progress, sandboxes, secret
+from asyncgrpo.controller.children import build_children
+from asyncgrpo.controller.common import HASH_ANNOTATION
+from asyncgrpo.controller.observe import Child
+from asyncgrpo.controller.runtime import RunState, Runtime
+from asyncgrpo.controller.status import TERMINAL, Observation, Transition, compute
+
+log = logging.getLogger("asyncgrpo.operator")
+
+#: Kinds the reconcile owns as a whole set: an indexed one the spec no longer implies is deleted.
+PRUNED_KINDS = frozenset({"ConfigMap", "Service", "ServiceAccount", "Deployment",
+                          "StatefulSet", "NetworkPolicy", "Role", "RoleBinding"})
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Outcome:
+    status: dict[str, Any]
+    events: list[Transition] = field(default_factory=list)
+    delete_run: bool = False
+
+
+def run_document(body: dict[str, Any]) -> dict[str, Any]:
+    meta = body.get("metadata") or {}
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+            "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+            "spec": body.get("spec") or {}}
+
+
+def _workload(children: list[Child], component: str) -> Child | None:
+    return next((c for c in children if c.kind in ("Deployment", "StatefulSet")
+                 and c.component == component), None)
+
+
+def _ready(children: list[Child], component: str) -> bool:
+    w = _workload(children, component)
+    return w is not None and w.replicas > 0 and w.ready_replicas >= w.replicas
+
+
+def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outcome:
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    state = rt.run((ns, name))
+    old = json.loads(json.dumps(body.get("status") or {}))
+    run, errors = validate_run(run_document(body))
+    obs = Observation(generation=int(meta.get("generation") or 0), spec_errors=errors,
+                      children=children)
+    if run is None or errors:
+        status, events = compute(None, obs, old, now_iso())
+        return Outcome(status, events)
+
+    terminal = old.get("phase") in TERMINAL
+    stopped = run.spec.suspend or terminal
+
+    _check_bucket(rt, state, run, obs)
+    trainer_up = (w := _workload(children, "trainer")) is not None and w.replicas > 0
+    deps_ready = _ready(children, "vllm") and (
+        run.spec.sandboxes is None or _ready(children, "gateway"))
+    start = trainer_up or (deps_ready and obs.bucket_error is None and obs.bucket_checked)
+    obs.trainer_gated = not start and not stopped
+
+    if run.spec.sandboxes is not None:
+        _ensure_secret(rt, state, run, body)
+    desired = build_children(run, stopped=stopped, start_trainer=start,
+                             resolved_hosts=_resolve_hosts(rt, state, run),
+                             scrapers=rt.settings.scrapers)
+    obs.apply_errors = _apply(rt, body, desired, children)
+
+    spawned = 0
+    if run.spec.sandboxes is not None:
+        obs.sandboxes, spawned, pool_error = _scale_pool(rt, state, body, run, children,
+                                                         stopped)
+        obs.pool_error = pool_error
+        obs.sandboxes["spawnedTotal"] = int((old.get("sandboxes") or {}).get(
+            "spawnedTotal", 0)) + spawned
+
+    if _ready(children, "trainer") and not stopped:
+        url = rt.settings.trainer_metrics_url.format(name=name, namespace=ns,
+                                                     port=run.spec.trainer.metrics_port)
+        scraped = progress.scrape(url)
+        if scraped is not None:
+            state.progress = _merge_progress(state.progress, scraped)
+    obs.progress = state.progress
+
+    status, events = compute(run.spec, obs, old, now_iso())
+    return Outcome(status, events, delete_run=_ttl_expired(run, status))
+
+
+def _merge_progress(old: progress.Progress | None,
+                    new: progress.Progress) -> progress.Progress:
+    if old is None:
+        return new
+    for k, v in vars(new).items():
+        if v is not None:
+            setattr(old, k, v)
+    return old
+
+
+def _ttl_expired(run: AsyncGRPORun, status: dict[str, Any]) -> bool:
+    ttl = run.spec.ttl_seconds_after_finished
+    done = status.get("completionTime")
+    if ttl is None or status.get("phase") not in TERMINAL or not done:
+        return False
+    finished = datetime.strptime(done, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    return (datetime.now(UTC) - finished).total_seconds() >= ttl
+
+
+# ---------------------------------------------------------------- bucket and secrets
+
+
+def read_credentials(rt: Runtime, run: AsyncGRPORun) -> bucket.Credentials | None:
+    store = run.spec.adapter_store
+    if store.credentials_secret is None:
+        return None
+    found = rt.kube.get("Secret", run.metadata.namespace, store.credentials_secret.name)
+    return bucket.credentials_from_secret(found, store)
+
+
+def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation) -> None:
+    """Verified once per adapterStore spec; retried every reconcile while it fails."""
+    key = run.spec.adapter_store.model_dump_json()
+    if state.bucket_ok_for != key:
+        try:
+            created = bucket.ensure_bucket(run.spec.adapter_store, read_credentials(rt, run))
+            state.bucket_ok_for, state.bucket_error = key, None
+            if created:
+                log.info("created bucket %s for %s", run.spec.adapter_store.bucket,
+                         run.metadata.name)
+        except bucket.BucketError as e:
+            state.bucket_ok_for, state.bucket_error = None, e
+    obs.bucket_checked = True
+    obs.bucket_error = state.bucket_error
+
+
+def _ensure_secret(rt: Runtime, state: RunState, run: AsyncGRPORun,
+                   owner: dict[str, Any]) -> None:
+    if state.secret_ready:
+        return
+    ns = run.metadata.namespace
+    found = rt.kube.get("Secret", ns, secret.secret_name(run))
+    if found is None:
+        body = secret.build_secret(run)
+        kopf.adopt(body, owner=owner)
+        rt.kube.create(body)
+        token = body["stringData"][secret.GATEWAY_TOKEN_KEY]
+    else:
+        raw = (found.get("data") or {}).get(secret.GATEWAY_TOKEN_KEY, "")
+        token = base64.b64decode(raw).decode() if raw else None
+    state.gateway_token, state.secret_ready = token, True
+
+
+def _resolve_hosts(rt: Runtime, state: RunState, run: AsyncGRPORun) -> list[str]:
+    sb = run.spec.sandboxes
+    if sb is None or not sb.network.allowed_egress_hosts:
+        return []
+    if time.monotonic() - state.resolved_at < rt.settings.dns_refresh_seconds:
+        return state.resolved
+    found: set[str] = set()
+    for host in sb.network.allowed_egress_hosts:
+        try:
+            found |= {ai[4][0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        except OSError:
+            log.warning("cannot resolve allowed egress host %s of %s", host, run.metadata.name)
+            found |= {a for a in state.resolved}  # keep the last answer rather than cut egress
+    state.resolved, state.resolved_at = sorted(found), time.monotonic()
+    return state.resolved
+
+
+# ---------------------------------------------------------------- children
+
+
+def api_error(e: ApiException) -> tuple[str, str]:
+    """(reason, message) of a refused write, from the API server's Status body."""
+    try:
+        doc = json.loads(e.body or "{}")
+    except ValueError:
+        doc = {}
+    return doc.get("reason") or f"HTTP{e.status}", (doc.get("message") or str(e.reason))[:500]
+
+
+def _apply(rt: Runtime, owner: dict[str, Any], desired: list[dict[str, Any]],
+           children: list[Child]) -> list[tuple[str, str]]:
+    """Create what is missing, patch what drifted; returns refused writes (reason, message)."""
+    have = {(c.kind, c.name): c for c in children}
+    wanted = set()
+    errors = []
+    for obj in desired:
+        key = (obj["kind"], obj["metadata"]["name"])
+        wanted.add(key)
+        kopf.adopt(obj, owner=owner)
+        current = have.get(key)
+        try:
+            if current is None:
+                rt.kube.create(obj)
+            elif current.hash != obj["metadata"]["annotations"][HASH_ANNOTATION] \
+                    and not current.deleting:
+                rt.kube.patch(obj)
+        except ApiException as e:
+            if e.status >= 500:
+                raise
+            reason, message = api_error(e)
+            errors.append((reason, f"{key[0]} {key[1]}: {message}"))
+    ns = owner["metadata"]["namespace"]
+    for c in children:
+        if c.kind in PRUNED_KINDS and (c.kind, c.name) not in wanted and not c.deleting:
+            rt.kube.delete(c.kind, ns, c.name)
+    return errors
+
+
+# ---------------------------------------------------------------- sandbox pool
+
+
+def _fetch_demand(rt: Runtime, state: RunState, ns: str, name: str) -> pool.Demand | None:
+    url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + "/v1/demand"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {state.gateway_token}"}
+                                 if state.gateway_token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=2.0) as resp:  # noqa: S310 (cluster URL)
+            return pool.Demand.from_json(json.loads(resp.read(1 << 22)))
+    except (OSError, ValueError):
+        return None
+
+
+def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun,
+                children: list[Child], stopped: bool
+                ) -> tuple[dict[str, int], int, tuple[str, str] | None]:
+    spec = run.spec.sandboxes
+    assert spec is not None
+    ns, name = run.metadata.namespace, run.metadata.name
+    key = f"{ns}/{name}"
+    current = sandboxes.current_hash(run)
+    pods = [pool.PodView(name=c.name, phase=c.phase, ready=c.ready,
+                         failed=c.phase == "Failed" or c.problem in (
+                             "CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff",
+                             "InvalidImageName", "CreateContainerConfigError"),
+                         unschedulable=c.unschedulable, deleting=c.deleting,
+                         outdated=c.hash != current)
+            for c in children if c.kind == "Pod" and c.component == sandboxes.COMPONENT]
+    adds, dels = rt.expectations.observe(key, [p.name for p in pods])
+    demand = None
+    if not stopped and _ready(children, "gateway"):
+        demand = _fetch_demand(rt, state, ns, name)
+    live = len([p for p in pods if not p.deleting and p.name not in dels]) + len(adds)
+    want = pool.desired_size(spec, demand, live)
+    if live > want:
+        state.excess_since = state.excess_since or time.monotonic()
+    else:
+        state.excess_since = None
+    excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
+    plan = pool.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped)
+
+    created, error = 0, None
+    for _ in range(plan.create):
+        body = sandboxes.build_pod(run, sandboxes.random_suffix())
+        kopf.adopt(body, owner=owner)
+        pod = body["metadata"]["name"]
+        rt.expectations.expect_create(key, pod)
+        try:
+            if rt.kube.create(body) is not None:
+                created += 1
+        except ApiException as e:
+            rt.expectations.observe(key, [pod])  # settle: this one will never appear
+            if e.status >= 500:
+                raise
+            error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
+            break
+    for pod in plan.delete:
+        rt.expectations.expect_delete(key, pod)
+        rt.kube.delete("Pod", ns, pod)
+    if created:
+        rt.metrics.spawned.labels(ns, name).inc(created)
+
+    members = demand.members if demand else {}
+    counts = {"warm": 0, "busy": 0, "starting": len(adds) + created, "failed": 0}
+    for p in pods:
+        if p.deleting or p.name in dels or p.name in plan.delete:
+            continue
+        if p.failed or p.unschedulable:
+            counts["failed"] += 1
+        elif members.get(p.name) == "busy":
+            counts["busy"] += 1
+        elif p.ready:
+            counts["warm"] += 1
+        else:
+            counts["starting"] += 1
+    return counts, created, error

@@ -1,0 +1,66 @@
+"""What the operator keeps in memory: settings, the API client, metrics, expectations, and a
+little per-run state. Lives in kopf's memo; losing it (a restart) costs a few reads, never a
+duplicate: children are found again through the indexes, which kopf fills before any
+handler runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncgrpo.controller.metrics import OperatorMetrics
+from asyncgrpo.controller.pool import Expectations
+from asyncgrpo.controller.progress import Progress
+
+
+@dataclass
+class Settings:
+    """Operator settings (`asyncgrpo operator --help`)."""
+
+    #: Where a run's gateway answers; {name} and {namespace} are filled in.
+    gateway_url: str = "http://{name}-gateway.{namespace}.svc:8080"
+    #: Rank 0's metrics endpoint; {name}, {namespace} and {port} are filled in.
+    trainer_metrics_url: str = "http://{name}-trainer-0.{name}-trainer.{namespace}.svc:{port}/metrics"
+    #: NetworkPolicy peers allowed to scrape metrics; None: Prometheus and this operator.
+    scrapers: list[dict[str, Any]] | None = None
+    #: Forget a creation or deletion the watch never showed after this long.
+    expectations_ttl_seconds: float = 300.0
+    #: Seconds between DNS lookups of allowedEgressHosts.
+    dns_refresh_seconds: float = 60.0
+    #: Test hook: delay every pod event this long before the operator sees it.
+    pod_watch_delay_seconds: float = 0.0
+
+
+@dataclass
+class RunState:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    bucket_ok_for: str | None = None       # adapterStore spec last verified
+    bucket_error: Any = None
+    secret_ready: bool = False
+    gateway_token: str | None = None
+    excess_since: float | None = None
+    resolved_at: float = 0.0
+    resolved: list[str] = field(default_factory=list)
+    progress: Progress | None = None
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    kube: Any = None
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    expectations: Expectations = field(default_factory=Expectations)
+    runs: dict[tuple[str, str], RunState] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, key: tuple[str, str]) -> RunState:
+        with self._lock:
+            return self.runs.setdefault(key, RunState())
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self.runs.pop(key, None)
+        self.expectations.forget("/".join(key))
+        self.metrics.forget(*key)

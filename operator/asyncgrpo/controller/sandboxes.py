@@ -1,0 +1,87 @@
+"""Sandbox pods: built one by one, because the operator is their controller (not a ReplicaSet).
+
+A ReplicaSet would pick which pod to delete on scale-down; only the operator, through the
+gateway's demand signal, knows which sandboxes are idle, so the pool is plain pods owned by
+the run. Sandboxes run untrusted code: no service-account token, no service links, non-root,
+no privilege escalation, optional RuntimeClass (gVisor, Kata), a bounded workspace.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+from typing import Any
+
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun
+from asyncgrpo.controller.common import (
+    HASH_ANNOTATION,
+    SANDBOX_PORT,
+    container_security,
+    metadata,
+    name,
+    pod_labels,
+    pod_security,
+    resources,
+    spec_hash,
+    tmp_volume,
+)
+from asyncgrpo.controller.secret import SANDBOX_TOKEN_KEY, secret_name
+
+COMPONENT = "sandbox"
+_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def random_suffix(n: int = 4) -> str:
+    return "".join(secrets.choice(_ALPHABET) for _ in range(n))
+
+
+def pod_name(run: AsyncGRPORun, suffix: str) -> str:
+    return f"{name(run, COMPONENT)}-{suffix}"
+
+
+def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:
+    sb = run.spec.sandboxes
+    assert sb is not None
+    container = {
+        "name": "sandbox",
+        "image": sb.image,
+        "command": ["asyncgrpo", "sandbox", "serve"],
+        "env": [
+            {"name": "ASYNCGRPO_SANDBOX_PORT", "value": str(SANDBOX_PORT)},
+            {"name": "ASYNCGRPO_SANDBOX_WORKSPACE", "value": "/workspace"},
+            {"name": "ASYNCGRPO_SANDBOX_DEFAULT_TIMEOUT_SECONDS",
+             "value": str(sb.exec_timeout_seconds)},
+            {"name": "ASYNCGRPO_SANDBOX_TOKEN",
+             "valueFrom": {"secretKeyRef": {"name": secret_name(run), "key": SANDBOX_TOKEN_KEY}}},
+        ],
+        "ports": [{"name": "http", "containerPort": SANDBOX_PORT}],
+        "resources": resources(sb.resources),
+        "securityContext": container_security(),
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2},
+        "volumeMounts": [{"name": "workspace", "mountPath": "/workspace"},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    spec: dict[str, Any] = {
+        "serviceAccountName": name(run, COMPONENT),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security(),
+        "containers": [container],
+        "volumes": [tmp_volume("workspace", size="2Gi"), tmp_volume(size="1Gi")],
+    }
+    if sb.runtime_class_name:
+        spec["runtimeClassName"] = sb.runtime_class_name
+    meta = metadata(run, COMPONENT, pod_name(run, suffix))
+    meta["labels"] = pod_labels(run, COMPONENT)
+    # the hash covers the spec only, so every pod of one template shares it
+    meta["annotations"] = {HASH_ANNOTATION: template_hash(spec)}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def template_hash(spec: dict[str, Any]) -> str:
+    return spec_hash({"spec": spec})
+
+
+def current_hash(run: AsyncGRPORun) -> str:
+    """Hash of the pods the spec asks for now; pods with another hash are outdated."""
+    return build_pod(run, "x")["metadata"]["annotations"][HASH_ANNOTATION]

@@ -1,0 +1,272 @@
+"""The run's status: phase and conditions, computed from what the operator observed.
+
+Pure: `compute` takes the spec, the observation and the previous status and returns the new
+status plus the transitions worth an event. Conditions follow metav1.Condition: a CamelCase
+reason a program can switch on, a message a person can act on, `observedGeneration`, and a
+`lastTransitionTime` that moves only when the status does (so an unchanged run yields an
+identical status, and the handler writes nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncgrpo.api.v1alpha1 import AsyncGRPORunSpec
+from asyncgrpo.api.validation import FieldError
+from asyncgrpo.controller.bucket import BucketError
+from asyncgrpo.controller.observe import Child
+from asyncgrpo.controller.progress import Progress
+
+PENDING, STARTING, RUNNING, SUSPENDED, SUCCEEDED, FAILED = (
+    "Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed")
+TERMINAL = frozenset({SUCCEEDED, FAILED})
+
+#: Trainer restarts with a non-zero exit after which the run is Failed (a Job's default).
+TRAINER_BACKOFF_LIMIT = 6
+
+CONDITION_TYPES = ("BucketReady", "RolloutReady", "SandboxesReady", "TrainerReady",
+                   "AdapterInSync", "Progressing", "Degraded")
+
+
+@dataclass
+class Observation:
+    generation: int
+    spec_errors: list[FieldError] = field(default_factory=list)
+    bucket_error: BucketError | None = None
+    bucket_checked: bool = False
+    children: list[Child] = field(default_factory=list)
+    sandboxes: dict[str, int] = field(default_factory=dict)
+    progress: Progress | None = None
+    trainer_gated: bool = False
+    apply_errors: list[tuple[str, str]] = field(default_factory=list)
+    pool_error: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    type: str          # Normal or Warning
+    reason: str
+    message: str
+
+
+def _cond(type_: str, ok: bool | None, reason: str, message: str) -> dict[str, Any]:
+    status = "Unknown" if ok is None else ("True" if ok else "False")
+    return {"type": type_, "status": status, "reason": reason, "message": message}
+
+
+def _problem(children: list[Child], component: str) -> Child | None:
+    return next((c for c in children if c.kind == "Pod" and c.component == component
+                 and c.problem and not c.deleting), None)
+
+
+def _workload(children: list[Child], component: str) -> Child | None:
+    return next((c for c in children if c.kind in ("Deployment", "StatefulSet")
+                 and c.component == component), None)
+
+
+def _workload_condition(type_: str, children: list[Child], component: str, what: str,
+                        stopped: str | None) -> dict[str, Any]:
+    if stopped:
+        return _cond(type_, False, stopped, f"{what} scaled to zero ({stopped.lower()})")
+    w = _workload(children, component)
+    if w is None:
+        return _cond(type_, False, "NotCreated", f"{what} not created yet")
+    if w.replicas and w.ready_replicas >= w.replicas and w.up_to_date:
+        return _cond(type_, True, "Ready", f"{w.ready_replicas}/{w.replicas} {what} pods ready")
+    p = _problem(children, component)
+    if p is not None:
+        return _cond(type_, False, p.problem, f"pod {p.name}: {p.problem_message or p.problem}")
+    return _cond(type_, False, "Starting",
+                 f"{w.ready_replicas}/{w.replicas} {what} pods ready")
+
+
+def _trainer_outcome(children: list[Child], progress: Progress | None,
+                     spec: AsyncGRPORunSpec) -> str | None:
+    if progress is not None and progress.step is not None \
+            and progress.step >= spec.trainer.total_steps:
+        return SUCCEEDED
+    pods = [c for c in children if c.kind == "Pod" and c.component == "trainer"]
+    rank0 = next((p for p in pods if p.name.endswith("-0")), None)
+    if rank0 is not None and rank0.exit_codes and rank0.exit_codes[0] == 0 \
+            and rank0.phase != "Pending":
+        return SUCCEEDED
+    if any(p.restarts >= TRAINER_BACKOFF_LIMIT and any(p.exit_codes) for p in pods):
+        return FAILED
+    return None
+
+
+def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any],
+            now: str) -> tuple[dict[str, Any], list[Transition]]:
+    """New status (camelCase, as stored) and the events its transitions deserve."""
+    old_phase = old.get("phase") or PENDING
+    conds: list[dict[str, Any]] = []
+    degraded: tuple[str, str] | None = None
+    status: dict[str, Any] = {"observedGeneration": obs.generation}
+
+    if obs.spec_errors or spec is None:
+        msg = "; ".join(str(e) for e in obs.spec_errors[:10])
+        conds.append(_cond("Progressing", False, "InvalidSpec", msg))
+        conds.append(_cond("Degraded", True, "InvalidSpec", msg))
+        phase = old_phase
+    else:
+        outcome = None if old_phase in TERMINAL else _trainer_outcome(
+            obs.children, obs.progress, spec)
+        terminal = old_phase if old_phase in TERMINAL else outcome
+        stopped = ("Suspended" if spec.suspend and terminal is None else
+                   ("Finished" if terminal else None))
+
+        if not obs.bucket_checked:
+            conds.append(_cond("BucketReady", None, "Checking", "bucket not checked yet"))
+        elif obs.bucket_error is not None:
+            conds.append(_cond("BucketReady", False, obs.bucket_error.reason,
+                               obs.bucket_error.message))
+            degraded = (obs.bucket_error.reason, obs.bucket_error.message)
+        else:
+            conds.append(_cond("BucketReady", True, "BucketReady",
+                               f"bucket {spec.adapter_store.bucket!r} is reachable"))
+
+        rollout = _workload_condition("RolloutReady", obs.children, "vllm", "vLLM", stopped)
+        conds.append(rollout)
+        if spec.sandboxes is not None:
+            conds.append(_sandboxes_condition(spec, obs, stopped))
+        if obs.trainer_gated and not stopped:
+            trainer = _cond("TrainerReady", False, "WaitingForRollout",
+                            "the trainer starts once vLLM (and the sandbox gateway) are ready")
+        else:
+            trainer = _workload_condition("TrainerReady", obs.children, "trainer", "trainer",
+                                          stopped)
+        conds.append(trainer)
+        conds.append(_adapter_condition(obs.progress))
+
+        if obs.apply_errors:
+            reason, message = obs.apply_errors[0]
+            degraded = ("ApplyFailed", f"{reason}: {message}")
+        for c in conds:
+            if c["status"] == "False" and c["reason"] not in (
+                    "Starting", "NotCreated", "WaitingForRollout", "Suspended", "Finished",
+                    "SandboxesStarting") and degraded is None:
+                degraded = (c["reason"], c["message"])
+
+        if terminal:
+            phase = terminal
+        elif spec.suspend:
+            phase = SUSPENDED
+        elif obs.bucket_error is not None or not obs.bucket_checked:
+            phase = PENDING
+        elif trainer["status"] == "True":
+            phase = RUNNING
+        else:
+            phase = STARTING
+
+        if phase in TERMINAL:
+            conds.append(_cond("Progressing", False, phase, f"the run {phase.lower()}"))
+        elif phase == SUSPENDED:
+            conds.append(_cond("Progressing", False, "Suspended", "spec.suspend is true"))
+        else:
+            conds.append(_cond("Progressing", True, phase, f"the run is {phase.lower()}"))
+        conds.append(_cond("Degraded", True, *degraded) if degraded
+                     else _cond("Degraded", False, "AsExpected", "no problem found"))
+
+    status["phase"] = phase
+    status["conditions"] = _merge_conditions(old.get("conditions") or [], conds,
+                                             obs.generation, now)
+    p = obs.progress
+    if p is not None:
+        if p.step is not None:
+            status["step"] = p.step
+        if p.policy_version is not None:
+            status["policyVersion"] = p.policy_version
+        tp = {k: v for k, v in (("rawTokensPerSecond", p.raw_tokens_per_second),
+                                ("uniqueTokensPerSecond", p.unique_tokens_per_second),
+                                ("treeCompressionRatio", p.tree_compression_ratio))
+              if v is not None}
+        if tp:
+            status["throughput"] = tp
+    if spec is not None and spec.sandboxes is not None and obs.sandboxes:
+        status["sandboxes"] = dict(obs.sandboxes)
+    if phase == RUNNING and not old.get("startTime"):
+        status["startTime"] = now
+    if phase in TERMINAL and not old.get("completionTime"):
+        status["completionTime"] = now
+    return status, _transitions(old, old_phase, phase, status["conditions"])
+
+
+def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
+                         stopped: str | None) -> dict[str, Any]:
+    if stopped:
+        return _cond("SandboxesReady", False, stopped, f"sandbox pool emptied ({stopped.lower()})")
+    counts = obs.sandboxes
+    if obs.pool_error is not None:
+        return _cond("SandboxesReady", False, "SandboxCreateFailed",
+                     f"cannot create sandbox pods: {obs.pool_error[1]}")
+    gw = _workload_condition("SandboxesReady", obs.children, "gateway", "gateway", None)
+    if gw["status"] != "True":
+        return gw
+    unschedulable = [c for c in obs.children if c.kind == "Pod" and c.component == "sandbox"
+                     and c.unschedulable]
+    if unschedulable:
+        return _cond("SandboxesReady", False, "SandboxesUnschedulable",
+                     f"{len(unschedulable)} sandbox pods cannot be scheduled: "
+                     f"{unschedulable[0].problem_message}")
+    if counts.get("failed"):
+        stuck = _problem(obs.children, "sandbox")
+        detail = f" ({stuck.name}: {stuck.problem})" if stuck else ""
+        return _cond("SandboxesReady", False, "SandboxesFailed",
+                     f"{counts['failed']} sandbox pods failed{detail}; they are kept for "
+                     "inspection and removed when the pool shrinks")
+    ready = counts.get("warm", 0) + counts.get("busy", 0)
+    need = spec.sandboxes.min_warm  # type: ignore[union-attr]
+    if ready >= need:
+        return _cond("SandboxesReady", True, "PoolReady", f"{ready} sandboxes ready")
+    return _cond("SandboxesReady", False, "SandboxesStarting",
+                 f"{ready}/{need} warm sandboxes ready")
+
+
+def _adapter_condition(p: Progress | None) -> dict[str, Any]:
+    if p is None or p.policy_version is None:
+        return _cond("AdapterInSync", None, "NoPolicyYet", "the trainer has not published yet")
+    if p.served_policy_version is None:
+        return _cond("AdapterInSync", None, "NotProbed",
+                     f"policy v{p.policy_version} published; served version unknown")
+    if p.served_policy_version >= p.policy_version:
+        return _cond("AdapterInSync", True, "InSync", f"vLLM serves policy v{p.policy_version}")
+    return _cond("AdapterInSync", False, "Lagging", f"vLLM serves v{p.served_policy_version}, "
+                 f"newest is v{p.policy_version}")
+
+
+def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, Any]], generation: int,
+                      now: str) -> list[dict[str, Any]]:
+    by_type = {c.get("type"): c for c in old}
+    out = []
+    for c in new:
+        prev = by_type.get(c["type"])
+        moved = prev is None or prev.get("status") != c["status"]
+        out.append({**c, "observedGeneration": generation,
+                    "lastTransitionTime": now if moved else prev.get("lastTransitionTime", now)})
+    return out
+
+
+_GOOD_WHEN_FALSE = {"Degraded"}
+
+
+def _transitions(old: dict[str, Any], old_phase: str, phase: str,
+                 conds: list[dict[str, Any]]) -> list[Transition]:
+    events: list[Transition] = []
+    prev = {c.get("type"): c for c in old.get("conditions") or []}
+    for c in conds:
+        p = prev.get(c["type"])
+        if p is not None and (p.get("status"), p.get("reason")) == (c["status"], c["reason"]):
+            continue
+        if p is None and c["status"] == "Unknown":
+            continue
+        good = (c["status"] == "False") if c["type"] in _GOOD_WHEN_FALSE else (
+            c["status"] != "False")
+        if c["type"] == "Progressing":
+            continue  # the phase event says it
+        events.append(Transition("Normal" if good else "Warning", c["reason"] or c["type"],
+                                 f"{c['type']}={c['status']}: {c['message']}"))
+    if phase != old_phase or not old.get("phase"):
+        events.append(Transition("Warning" if phase == FAILED else "Normal", phase,
+                                 f"phase {old.get('phase') or 'none'} -> {phase}"))
+    return events

@@ -1,0 +1,108 @@
+"""vLLM rollout servers: a Deployment and its Service.
+
+LoRA runs load adapters by name through the asyncgrpo S3 resolver plugin
+(`asyncgrpo.adapters.vllm_plugin`, configured by the ASYNCGRPO_ADAPTER_* variables), which
+vLLM consults only with runtime LoRA updating on. Full fine-tuning syncs weights through TRL's
+weight-transfer routes, which need vLLM's dev-mode server. One API-server process per pod:
+runtime LoRA updating rules out several.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun
+from asyncgrpo.controller.common import (
+    VLLM_PORT,
+    bucket_env,
+    container_security,
+    merge_env,
+    metadata,
+    name,
+    pod_labels,
+    pod_security,
+    resources,
+    selector,
+    service,
+    stamp,
+    tmp_volume,
+)
+
+COMPONENT = "vllm"
+CACHE_DIR = "/var/cache/asyncgrpo"
+
+
+def server_args(run: AsyncGRPORun) -> list[str]:
+    m, r = run.spec.model, run.spec.rollout
+    args = [
+        "--model", m.name,
+        "--dtype", m.dtype,
+        "--host", "0.0.0.0",
+        "--port", str(VLLM_PORT),
+        "--max-model-len", str(r.max_model_len),
+        "--tensor-parallel-size", str(r.tensor_parallel_size),
+        "--gpu-memory-utilization", str(r.gpu_memory_utilization),
+    ]
+    if m.finetuning == "lora":
+        args += ["--enable-lora", "--max-lora-rank", str(r.max_lora_rank),
+                 "--max-loras", str(r.max_loras)]
+    return args + list(r.extra_args)
+
+
+def server_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
+    env = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
+        {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "1"},
+        {"name": "ASYNCGRPO_ADAPTER_CACHE_DIR", "value": f"{CACHE_DIR}/adapters"},
+    ]
+    if run.spec.model.finetuning == "full":
+        env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
+    return env + bucket_env(run)
+
+
+def build_service(run: AsyncGRPORun) -> dict[str, Any]:
+    return service(run, COMPONENT, [{"name": "http", "port": VLLM_PORT, "targetPort": "http"}])
+
+
+def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str, Any]:
+    r = run.spec.rollout
+    container = {
+        "name": "vllm",
+        "image": r.image,
+        "command": ["python", "-m", "vllm.entrypoints.openai.api_server"],
+        "args": server_args(run),
+        "env": merge_env(server_env(run), r.env),
+        "ports": [{"name": "http", "containerPort": VLLM_PORT}],
+        "resources": resources(r.resources, r.tensor_parallel_size),
+        "securityContext": container_security(),
+        # model loading takes minutes; the startup probe keeps liveness out of the way
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
+                         "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                          "periodSeconds": 15, "failureThreshold": 4},
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR},
+                         {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    return stamp({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(run, COMPONENT),
+        "spec": {
+            "replicas": r.replicas if replicas is None else replicas,
+            "selector": {"matchLabels": selector(run, COMPONENT)},
+            "template": {
+                "metadata": {"labels": pod_labels(run, COMPONENT)},
+                "spec": {
+                    "serviceAccountName": name(run, "workload"),
+                    "automountServiceAccountToken": False,
+                    "securityContext": pod_security(),
+                    "containers": [container],
+                    "volumes": [tmp_volume("cache"), tmp_volume(),
+                                tmp_volume("dshm", medium="Memory")],
+                },
+            },
+        },
+    })

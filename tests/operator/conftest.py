@@ -1,0 +1,54 @@
+"""Fixtures of the operator tests: the operator (kopf, in a thread) against the real test
+cluster, a loopback HTTP server standing in for gateways and trainers, the real S3 server.
+
+The shared operator watches namespaces named `op-*`; tests that restart or peer operators
+run their own on `own-*` namespaces, so two operators never act on one run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# kopf fixes timer intervals when handlers register: set before anything imports them
+os.environ.setdefault("ASYNCGRPO_OPERATOR_RESYNC_SECONDS", "1")
+
+import pytest  # noqa: E402
+
+from tests.operator.helpers import Api, JsonServer, s3_secret  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def api(kube_client):
+    return Api(kube_client)
+
+
+@pytest.fixture(scope="session")
+def peers():
+    server = JsonServer()
+    yield server
+    server.close()
+
+
+def operator_settings(peers):
+    from asyncgrpo.controller.runtime import Settings
+
+    return Settings(gateway_url=peers.base + "/gw/{namespace}/{name}",
+                    trainer_metrics_url=peers.base + "/tr/{namespace}/{name}/metrics",
+                    scrapers=None)
+
+
+@pytest.fixture(scope="session")
+def operator(crd_installed, peers):
+    from asyncgrpo.controller.embedded import EmbeddedOperator
+
+    op = EmbeddedOperator(["op-*"], operator_settings(peers)).start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def ns(api, operator, s3_server):
+    """A fresh namespace the shared operator watches, holding the S3 credentials Secret."""
+    name = api.namespace("op")
+    api.create(s3_secret(s3_server, name))
+    return name

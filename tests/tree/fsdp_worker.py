@@ -20,7 +20,11 @@ from torch.distributed.fsdp import fully_shard
 from asyncgrpo.trainer.tree.loss import grpo_loss
 from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
 from asyncgrpo.trainer.tree.trl_integration import (
-    TreeBatcher, TreeCollator, install_tree_packing, rollout_from_sample, tree_compute_loss,
+    TreeBatcher,
+    TreeCollator,
+    install_tree_packing,
+    rollout_from_sample,
+    tree_compute_loss,
 )
 from asyncgrpo.trainer.tree.verify import _set_attention, reference_log_probs
 

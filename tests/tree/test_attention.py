@@ -14,7 +14,7 @@ from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
 
 def qkv(n, heads=4, kv_heads=2, dim=16, seed=0, grad=False):
     g = torch.Generator().manual_seed(seed)
-    make = lambda h: torch.randn(1, h, n, dim, generator=g, requires_grad=grad)  # noqa: E731
+    make = lambda h: torch.randn(1, h, n, dim, generator=g, requires_grad=grad)
     return make(heads), make(kv_heads), make(kv_heads)
 
 

@@ -11,10 +11,10 @@ from asyncgrpo.trainer.tree.metrics import PackingMetrics
 from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
 
 
-def plans(rollouts_strategy=rollout_sets()):
+def plans():
     @st.composite
     def draw(draw):
-        rollouts = draw(rollouts_strategy)
+        rollouts = draw(rollout_sets())
         longest = max(len(r) for r in rollouts)
         budget = draw(st.integers(longest, longest * 4))
         ranks = draw(st.integers(1, 4))

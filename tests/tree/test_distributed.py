@@ -23,7 +23,7 @@ def test_fsdp2_ranks_with_tree_rows_match_unpacked_training(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
         [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(WORKER), str(result)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(result.read_text())

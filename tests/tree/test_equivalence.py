@@ -10,7 +10,12 @@ from tree_strategies import rollout_sets
 from asyncgrpo.trainer.tree import Rollout, TreeLayout, pack
 from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
 from asyncgrpo.trainer.tree.verify import (
-    build_model, compare, packed_log_probs, reference_log_probs, verdict, _set_attention,
+    _set_attention,
+    build_model,
+    compare,
+    packed_log_probs,
+    reference_log_probs,
+    verdict,
 )
 
 

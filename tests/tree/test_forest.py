@@ -1,5 +1,7 @@
 """Invariants of the packed layout: exact reconstruction, positions, visibility, loss gather."""
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -73,7 +75,7 @@ def test_layout_does_not_depend_on_insertion_order(rollouts, rng):
     a, b = pack(rollouts), pack(shuffled)
     for name in ("input_ids", "position_ids", "leave"):
         assert getattr(a, name).tolist() == getattr(b, name).tolist()
-    terms = lambda row, rs: sorted(  # noqa: E731
+    terms = lambda row, rs: sorted(
         (rs[int(i)].input_ids, int(p), int(q), int(t)) for i, p, q, t in
         zip(row.rollout, row.token_pos, row.pred_pos, row.target)
     )
@@ -86,8 +88,8 @@ def test_segments_partition_the_row_and_see_their_root_path(rollouts):
     layout = TreeLayout.from_row(row)
     mask = layout.dense_mask()
     segments = layout.segments()
-    assert [s.start for s in segments][0] == 0 and segments[-1].end == row.tokens
-    for s, nxt in zip(segments, segments[1:]):
+    assert segments[0].start == 0 and segments[-1].end == row.tokens
+    for s, nxt in itertools.pairwise(segments):
         assert s.end == nxt.start
     for s in segments:
         keys = list(range(s.start, s.end)) if s.kv_index is None else s.kv_index.tolist()
@@ -129,11 +131,11 @@ def test_edge_cases(rollouts, tokens, terms):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(input_ids=[], completion_mask=[]), "no tokens"),
-        (dict(input_ids=[1, 2], completion_mask=[0]), "completion_mask has 1"),
-        (dict(input_ids=[1, 2], completion_mask=[1, 1]), "token 0"),
-        (dict(input_ids=[1, 2], completion_mask=[0, 2]), "0 or 1"),
-        (dict(input_ids=[1, 2], completion_mask=[0, 1], old_log_probs=[0.0]), "old_log_probs"),
+        ({"input_ids": [], "completion_mask": []}, "no tokens"),
+        ({"input_ids": [1, 2], "completion_mask": [0]}, "completion_mask has 1"),
+        ({"input_ids": [1, 2], "completion_mask": [1, 1]}, "token 0"),
+        ({"input_ids": [1, 2], "completion_mask": [0, 2]}, "0 or 1"),
+        ({"input_ids": [1, 2], "completion_mask": [0, 1], "old_log_probs": [0.0]}, "old_log_probs"),
     ],
 )
 def test_malformed_rollouts_are_rejected(kwargs, message):

@@ -7,12 +7,17 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from asyncgrpo.trainer.tree.loss import grpo_loss
 from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
 from asyncgrpo.trainer.tree.trl_integration import (
-    BATCH_FIELDS, TreeBatcher, TreeCollator, check_trl_version, install_tree_packing, tree_compute_loss,
+    BATCH_FIELDS,
+    TreeBatcher,
+    TreeCollator,
+    check_trl_version,
+    install_tree_packing,
+    tree_compute_loss,
 )
 from asyncgrpo.trainer.tree.verify import _set_attention, reference_log_probs
-from asyncgrpo.trainer.tree.loss import grpo_loss
 
 
 def trl_samples(groups=2, generations=3, seed=0):

@@ -12,7 +12,12 @@ See docs/tree-packing.md. The pieces, each in its own module:
 - `verify`, `bench`, `commands`: `asyncgrpo tree verify|bench`.
 """
 
-from .attention import TREE_ATTENTION, install_tree_attention, register_tree_attention, tree_attention
+from .attention import (
+    TREE_ATTENTION,
+    install_tree_attention,
+    register_tree_attention,
+    tree_attention,
+)
 from .forest import PackedRow, Trie, pack
 from .layout import TreeLayout
 from .rollout import Rollout, RolloutError, load_rollouts

@@ -18,8 +18,8 @@ Rules, and why:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 from .forest import PackedRow, Trie, pack
 from .rollout import Rollout, RolloutError
@@ -59,7 +59,7 @@ class _Bin:
             self.trained += rollouts[i].trained
 
     @classmethod
-    def of(cls, members: list[int], rollouts: Sequence[Rollout]) -> "_Bin":
+    def of(cls, members: list[int], rollouts: Sequence[Rollout]) -> _Bin:
         b = cls()
         b.add(members, rollouts)
         return b

@@ -19,8 +19,8 @@ Layout invariants (checked by tests/tree):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -117,7 +117,7 @@ class PackedRow:
     def attention_pairs(self) -> int:
         return int((self.position_ids + 1).sum())
 
-    def to(self, device: torch.device | str) -> "PackedRow":
+    def to(self, device: torch.device | str) -> PackedRow:
         moved = {
             name: getattr(self, name).to(device)
             for name in (
@@ -173,7 +173,7 @@ def pack(rollouts: Sequence[Rollout], share: bool = True) -> PackedRow:
                 owner.append(i)
                 token_pos.append(p)
 
-    long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    long = lambda xs: torch.tensor(xs, dtype=torch.long)
     return PackedRow(
         input_ids=long(input_ids),
         position_ids=long(position_ids),

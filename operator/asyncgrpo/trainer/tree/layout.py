@@ -51,7 +51,7 @@ class TreeLayout:
     _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_row(cls, row) -> "TreeLayout":
+    def from_row(cls, row) -> TreeLayout:
         return cls(position_ids=row.position_ids, leave=row.leave)
 
     @property

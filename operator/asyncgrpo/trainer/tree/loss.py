@@ -59,6 +59,8 @@ def add_tree_lm_head(model, temperature: float = 1.0) -> None:
     peft hooks around the model still run; without `tree_pred_pos` the forward is the
     original one. Add it before wrapping the model with peft.
     """
+    if getattr(model, "_asyncgrpo_tree_head", False):
+        return
     original = model.forward
     text_config = model.config.get_text_config()
     softcap = getattr(text_config, "final_logit_softcapping", None)
@@ -84,6 +86,7 @@ def add_tree_lm_head(model, temperature: float = 1.0) -> None:
         return TreeLogProbOutput(log_probs=log_probs, entropy=entropy, aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
+    model._asyncgrpo_tree_head = True
 
 
 def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,

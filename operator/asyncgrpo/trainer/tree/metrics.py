@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 from .budget import MicroBatch
 
@@ -35,7 +35,7 @@ class PackingMetrics:
         return max(self.rank_load) * len(self.rank_load) / sum(self.rank_load)
 
     @classmethod
-    def of(cls, batches: Sequence[MicroBatch]) -> "PackingMetrics":
+    def of(cls, batches: Sequence[MicroBatch]) -> PackingMetrics:
         ranks = len(batches[0].rows) if batches else 0
         m = cls(micro_batches=len(batches), rank_tokens=[0] * ranks, rank_load=[0] * ranks)
         for batch in batches:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 
 class RolloutError(ValueError):
@@ -76,9 +77,9 @@ class Rollout:
         advantage: float,
         old_log_probs: Sequence[float] | None = None,
         policy_version: int | None = None,
-    ) -> "Rollout":
+    ) -> Rollout:
         """Build from lists or tensors (what TRL's rollout worker and JSON hand over)."""
-        as_list = lambda x: x.tolist() if hasattr(x, "tolist") else list(x)  # noqa: E731
+        as_list = lambda x: x.tolist() if hasattr(x, "tolist") else list(x)
         return cls(
             group_id=str(group_id),
             input_ids=tuple(int(t) for t in as_list(input_ids)),

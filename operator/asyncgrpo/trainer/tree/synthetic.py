@@ -19,7 +19,7 @@ def synthetic_rollouts(groups: int, generations: int, prompt: int, completion: i
     if min(groups, generations, prompt, completion, turns) < 1:
         raise ValueError("groups, generations, prompt, completion and turns must all be >= 1")
     rng = random.Random(seed)
-    tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]
     per_turn = [completion // turns + (1 if t < completion % turns else 0) for t in range(turns)]
     rollouts = []
     for g in range(groups):

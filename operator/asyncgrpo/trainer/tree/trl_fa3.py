@@ -32,7 +32,11 @@ def _trl_row(rollouts: list[Rollout]) -> dict[str, torch.Tensor]:
 
 def run_trl_fa3(model_kind: str, rollouts: list[Rollout], device: str = "cuda", repeats: int = 3,
                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, model_overrides: dict | None = None) -> dict:
-    from trl.experimental.async_grpo.packing import TREE_ATTENTION, _flash_attn, register_tree_attention
+    from trl.experimental.async_grpo.packing import (
+        TREE_ATTENTION,
+        _flash_attn,
+        register_tree_attention,
+    )
     from trl.trainer.utils import add_fused_lm_head
 
     from asyncgrpo.trainer.tiny import tiny_model

@@ -16,6 +16,9 @@ own `AsyncGRPOTrainer.compute_loss` per-term log-probs in the shape it indexes (
 
 How the trainer runtime uses it (one of):
 
+    from asyncgrpo.trainer.tree import trl_integration
+    trl_integration.install()           # process-wide, before building the trainer
+
     from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
     class Trainer(TreePackingMixin, AsyncGRPOTrainer): ...
 
@@ -34,8 +37,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -53,6 +57,16 @@ BATCH_FIELDS = (
     "input_ids", "attention_mask", "position_ids", "tree_leave", "tree_pred_pos", "tree_targets",
     "old_log_probs", "advantages", "segment_id", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",
 )
+
+
+#: TRL's own methods, kept by `install()` before it replaces them on the class.
+_UPSTREAM: dict[str, Any] = {}
+
+
+def _trl_compute_loss():
+    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
+
+    return _UPSTREAM.get("compute_loss", AsyncGRPOTrainer.compute_loss)
 
 
 def check_trl_version() -> None:
@@ -216,8 +230,6 @@ def tree_compute_loss(trainer, model, inputs: dict[str, torch.Tensor], return_ou
     here the model call is our packed forward, whose log-probs are already one per loss term,
     and `token_index` is 0..M-1. Everything after the forward is TRL's code.
     """
-    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
-
     keep = inputs["attention_mask"][0].bool()
     input_ids = inputs["input_ids"][0][keep]
     position_ids = inputs["position_ids"][0][keep]
@@ -251,7 +263,48 @@ def tree_compute_loss(trainer, model, inputs: dict[str, torch.Tensor], return_ou
         "global_n_forward_tokens": inputs["global_n_forward_tokens"],
         "mean_seq_len": inputs["mean_seq_len"],
     }
-    return AsyncGRPOTrainer.compute_loss(trainer, packed_forward, trl_inputs, return_outputs, num_items_in_batch)
+    return _trl_compute_loss()(trainer, packed_forward, trl_inputs, return_outputs, num_items_in_batch)
+
+
+def install() -> None:
+    """Process-wide: every `AsyncGRPOTrainer` (and subclass) built afterwards trains on tree rows.
+
+    Puts `TreePackingMixin`'s three methods on TRL's class and wraps its `__init__` to call
+    `install_tree_packing` on the finished model. A subclass that overrides one of these
+    methods keeps its own. Idempotent.
+    """
+    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
+
+    check_trl_version()
+    if getattr(AsyncGRPOTrainer, "_asyncgrpo_tree_installed", False):
+        return
+    upstream_init = AsyncGRPOTrainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        upstream_init(self, *args, **kwargs)
+        install_tree_packing(self.model, temperature=self.temperature)
+
+    __init__.__wrapped__ = upstream_init
+    AsyncGRPOTrainer.__init__ = __init__
+    for name in ("get_train_dataloader", "compute_loss", "_set_signature_columns_if_needed"):
+        _UPSTREAM[name] = getattr(AsyncGRPOTrainer, name)
+        setattr(AsyncGRPOTrainer, name, TreePackingMixin.__dict__[name])
+    AsyncGRPOTrainer.samples_per_plan = None
+    AsyncGRPOTrainer._asyncgrpo_tree_installed = True
+
+
+def uninstall() -> None:
+    """Undo `install()` (for tests that share a process with code expecting TRL as shipped)."""
+    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
+
+    if not AsyncGRPOTrainer.__dict__.get("_asyncgrpo_tree_installed", False):
+        return
+    AsyncGRPOTrainer.__init__ = AsyncGRPOTrainer.__init__.__wrapped__
+    for name, method in _UPSTREAM.items():
+        setattr(AsyncGRPOTrainer, name, method)
+    _UPSTREAM.clear()
+    del AsyncGRPOTrainer.samples_per_plan
+    del AsyncGRPOTrainer._asyncgrpo_tree_installed
 
 
 class TreePackingMixin:

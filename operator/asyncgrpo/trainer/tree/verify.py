@@ -12,7 +12,7 @@ reference's own log-probs, detached, serve as old log-probs on both sides.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

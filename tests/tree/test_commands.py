@@ -38,6 +38,13 @@ def test_verify_reports_a_malformed_line(tmp_path, capsys):
     assert "rollouts.jsonl:1" in capsys.readouterr().err
 
 
+def test_verify_rejects_token_ids_outside_the_tiny_vocabulary(tmp_path, capsys):
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text('{"group_id": "g", "input_ids": [1, 600], "completion_mask": [0, 1], "advantage": 1}\n')
+    assert main(["tree", "verify", str(path)]) == 2
+    assert "below the tiny model's vocabulary of 512" in capsys.readouterr().err
+
+
 def test_bench_prints_a_table_and_a_json_line(capsys):
     argv = ["tree", "bench", "--groups", "1", "--generations", "3", "--prompt", "32", "--completion", "8",
             "--repeats", "1", "--threads", "1"]

@@ -64,6 +64,9 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         rollouts = load_rollouts(args.file)
         model = build_model(args.model, seed=args.seed, lora=args.lora, device=args.device)
+        vocab = model.config.get_text_config().vocab_size
+        if max(max(r.input_ids) for r in rollouts) >= vocab:
+            raise RolloutError(f"{args.file}: token ids must be below the tiny model's vocabulary of {vocab}")
         result = compare(model, rollouts, ranks=args.ranks, budget=args.budget, device=args.device)
     except RolloutError as err:
         print(f"asyncgrpo tree verify: {err}", file=sys.stderr)

@@ -1,0 +1,163 @@
+"""Checkpoint protocol on a real S3 server, retry/backoff against an unreachable one, and the
+TRL patch module."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from asyncgrpo.trainer.bucket import Bucket, BucketUnavailable, retry, s3_client
+from asyncgrpo.trainer.checkpoint import COMPLETE, CheckpointStore, step_dir
+from tests.conftest import free_port
+
+
+@pytest.fixture
+def ckpts(s3_server, monkeypatch):
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    name = f"ckpt-{uuid.uuid4().hex[:8]}"
+    s3_server.client().create_bucket(Bucket=name)
+    return CheckpointStore(Bucket(name, "pre/run-a", s3_client(s3_server.endpoint, "us-east-1"),
+                                  attempts=2, backoff_s=0.01), keep=2)
+
+
+def fake_checkpoint(root, step: int, ranks=(0,)):
+    d = root / f"checkpoint-{step}"
+    (d / "sub").mkdir(parents=True)
+    (d / "adapter_model.safetensors").write_bytes(b"w" * (step + 1))
+    (d / "rollout_state.json").write_text(json.dumps({"prompt_index": step * 2,
+                                                      "model_version": step + 1}))
+    (d / "sub" / "x.bin").write_bytes(b"x")
+    for r in ranks:
+        (d / f"rng_state_{r}.pth").write_bytes(bytes([r]))
+    return d
+
+
+def test_latest_is_the_newest_complete_one_and_download_restores_files(ckpts, tmp_path):
+    assert ckpts.latest() is None
+    ckpts.upload(fake_checkpoint(tmp_path, 2), 2, meta={"model_version": 3})
+    # A trainer killed mid-upload: files of step 4, no COMPLETE.
+    ckpts.bucket.upload(fake_checkpoint(tmp_path / "b", 4) / "rollout_state.json",
+                        ckpts.root + step_dir(4) + "/rollout_state.json")
+    assert ckpts.latest() == 2
+    assert ckpts.info(2)["model_version"] == 3
+    got = ckpts.download(2, tmp_path / "restore")
+    assert got.name == "checkpoint-2"
+    assert json.loads((got / "rollout_state.json").read_text())["prompt_index"] == 4
+    assert (got / "sub" / "x.bin").read_bytes() == b"x"
+    assert not (got / COMPLETE).exists()
+
+
+def test_prune_keeps_newest_complete_and_drops_old_partials(ckpts, tmp_path):
+    for s in (1, 2, 3):
+        ckpts.upload(fake_checkpoint(tmp_path / str(s), s), s)
+    keys = ckpts.bucket.list(ckpts.root)
+    assert not any(step_dir(1) in k for k in keys)
+    assert ckpts.latest() == 3 and any(step_dir(2) in k for k in keys)
+
+
+def test_each_rank_uploads_its_own_rng_state_and_rank0_marks_complete(ckpts, tmp_path):
+    d = fake_checkpoint(tmp_path, 5, ranks=(0, 1))
+    ckpts.upload(d, 5, rank=1, is_main=False)
+    assert ckpts.latest() is None  # only rank 0 writes COMPLETE
+    names = {k.rsplit("/", 1)[-1] for k in ckpts.bucket.list(ckpts.root)}
+    assert names == {"rng_state_1.pth"}
+    ckpts.upload(d, 5, rank=0, is_main=True)
+    files = ckpts.info(5)["files"]
+    assert "rng_state_0.pth" in files and "rng_state_1.pth" in files
+
+
+def test_unreachable_bucket_retries_with_backoff_then_says_so(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "dummy")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "dummy")
+    port = free_port()  # nothing listens there
+    b = Bucket("bkt", "r", s3_client(f"http://127.0.0.1:{port}", "us-east-1"), attempts=3,
+               backoff_s=0.01)
+    seen = []
+    b.on_retry = lambda what, err: seen.append(what)
+    with pytest.raises(BucketUnavailable, match=r"s3://bkt/r/x.*after 3 attempts"):
+        b.get_bytes("r/x")
+    assert len(seen) == 3
+
+
+def test_permanent_errors_are_not_retried(s3_server, monkeypatch):
+    from botocore.exceptions import ClientError
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    calls = []
+    b = Bucket("no-such-bucket-here", "r", s3_client(s3_server.endpoint, "us-east-1"),
+               attempts=5, backoff_s=0.01, on_retry=lambda *a: calls.append(a))
+    with pytest.raises(ClientError):
+        b.get_bytes("r/x")
+    assert calls == []
+
+
+def test_retry_recovers_after_transient_failures():
+    n = {"calls": 0}
+
+    def flaky():
+        n["calls"] += 1
+        if n["calls"] < 3:
+            raise ConnectionError("refused")
+        return "ok"
+
+    assert retry("x", flaky, attempts=5, backoff_s=0.001) == "ok" and n["calls"] == 3
+
+
+def test_patches_pin_trl_and_fix_cpu_init():
+    import trl
+    from trl.experimental.async_grpo import async_grpo_trainer as agt
+    from trl.experimental.async_grpo import async_rollout_worker as arw
+
+    from asyncgrpo.trainer import patches
+
+    assert trl.__version__ == patches.TRL_VERSION
+    patches.apply()
+    patches.apply()  # idempotent
+
+    class Acc:
+        device = __import__("torch").device("cpu")
+
+    assert agt.get_peak_flops_per_device(Acc(), "float32") is None
+    assert arw.is_vllm_available() is True
+
+
+def test_patches_refuse_another_trl(monkeypatch):
+    import trl
+
+    from asyncgrpo.trainer import patches
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.raises(patches.UnsupportedTRL, match="trl==1.16.0"):
+        patches._check_version()
+
+
+def test_trl_config_from_the_run(tmp_path):
+    from asyncgrpo.api import parse_run
+    from asyncgrpo.trainer.main import trl_config
+    from asyncgrpo.trainer.runtime_env import RuntimeEnv
+
+    run = parse_run({
+        "metadata": {"name": "cfg"},
+        "spec": {"model": {"name": "m", "dtype": "float32"},
+                 "adapterStore": {"bucket": "bkt"}, "data": {"path": "/d"},
+                 "trainer": {"numGenerations": 4, "promptsPerStep": 3, "maxStaleness": 2,
+                             "totalSteps": 50, "checkpointInterval": 10, "learningRate": 0.001,
+                             "tokenBudgetPerRank": 4096, "clipEpsilon": 0.3},
+                 "rollout": {"sampling": {"maxCompletionTokens": 64, "temperature": 0.7}},
+                 "reward": {"functions": [{"name": "exact_match"}]}},
+    })
+    env = RuntimeEnv.from_env({"ASYNCGRPO_VLLM_URL": "http://v:8000",
+                               "ASYNCGRPO_WORK_DIR": str(tmp_path), "ASYNCGRPO_MAX_STEPS": "7"})
+    cfg = trl_config(run, env, use_cpu=True)
+    assert cfg.vllm_server_base_url == "http://v:8000"
+    assert cfg.max_steps == 7 and cfg.save_steps == 10 and cfg.max_staleness == 2
+    assert cfg.queue_maxsize == 12  # one step of samples, not upstream's 1024
+    assert cfg.token_budget == 4096 and cfg.epsilon == 0.3 and cfg.temperature == 0.7
+    assert cfg.max_completion_length == 64 and cfg.learning_rate == 0.001
+    run.spec.trainer.beta = 0.1
+    with pytest.raises(ValueError, match="no reference model"):
+        trl_config(run, env, use_cpu=True)

@@ -168,6 +168,7 @@ class JsonServer:
     def __init__(self):
         self.routes: dict[str, tuple[str, bytes]] = {}
         self.hits: dict[str, int] = {}
+        self.auth: dict[str, str] = {}
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -180,6 +181,16 @@ class JsonServer:
                 ctype, body = server.routes[self.path]
                 self.send_response(200)
                 self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):  # noqa: N802
+                server.hits[self.path] = server.hits.get(self.path, 0) + 1
+                server.auth[self.path] = self.headers.get("Authorization", "")
+                _, body = server.routes.get(self.path, ("", b'{"safe_to_delete": true}'))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

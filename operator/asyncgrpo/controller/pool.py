@@ -7,8 +7,10 @@ shows them (or stops showing them), the way controller-runtime's ReplicaSet expe
 and the scaler counts `cache + expected creations - expected deletions`. Entries expire
 after `ttl` so a lost watch event cannot freeze a pool forever.
 
-Failed and unschedulable pods stay counted until the pool shrinks: they are reported in the
-status, and deleted first on scale-down, but never replaced in a create/fail loop.
+Pods Kubernetes reports failed or unschedulable stay counted until the pool shrinks: they
+are reported in the status and deleted first on scale-down, but never replaced in a
+create/fail loop. Pods the gateway reports unhealthy (a sandbox server that stopped
+answering) are deleted and replaced, as the sizing contract asks.
 """
 
 from __future__ import annotations
@@ -18,38 +20,27 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from asyncgrpo.api.v1alpha1 import SandboxSpec
+from asyncgrpo.sandbox.sizing import desired_pool_size
 
-#: Gateway member states (asyncgrpo.sandbox.pool) a pod may be deleted in.
-DELETABLE_STATES = frozenset({"warm", "draining", "unhealthy"})
+#: Gateway member states (asyncgrpo.sandbox.pool) a pod may be drained and deleted in.
+DELETABLE_STATES = frozenset({"warm", "draining"})
 
 
 @dataclass(frozen=True)
 class Demand:
-    """The gateway's demand signal (GET /v1/demand); `members` maps pod name -> state."""
+    """The gateway's demand signal (`GET /v1/demand`, asyncgrpo.sandbox.pool.Pool.demand)."""
 
     busy: int = 0
     idle: int = 0
     waiting: int = 0
-    members: dict[str, str] = field(default_factory=dict)
+    starting: int = 0
+    members: dict[str, str] = field(default_factory=dict)   # pod name -> gateway state
 
     @classmethod
     def from_json(cls, doc: dict) -> Demand:
         return cls(busy=int(doc.get("busy", 0)), idle=int(doc.get("idle", 0)),
-                   waiting=int(doc.get("waiting", 0)),
+                   waiting=int(doc.get("waiting", 0)), starting=int(doc.get("starting", 0)),
                    members={str(k): str(v) for k, v in (doc.get("members") or {}).items()})
-
-
-def desired_size(spec: SandboxSpec, demand: Demand | None, current: int) -> int:
-    """Pods the pool should have: everything leased or waited for, plus minWarm idle.
-
-    Without a demand signal (gateway not up yet, unreachable) the pool holds its size and
-    only grows to minWarm: scaling down blind could delete a busy sandbox.
-    """
-    if demand is None:
-        want = max(current, spec.min_warm)
-    else:
-        want = demand.busy + demand.waiting + spec.min_warm
-    return max(0, min(want, spec.max, spec.hard_cap))
 
 
 @dataclass
@@ -99,31 +90,49 @@ class Expectations:
 @dataclass(frozen=True)
 class Plan:
     create: int
-    delete: list[str]
+    delete: list[str]       # pods to drain through the gateway, then delete
+    replace: list[str]      # pods the gateway reports unhealthy: deleted now, replaced
     live: int
+    target: int
 
 
 def plan(spec: SandboxSpec, pods: list[PodView], pending_creates: set[str],
          pending_deletes: set[str], demand: Demand | None, excess_for: float,
-         suspended: bool = False) -> Plan:
-    """Creations and deletions that move the pool toward its desired size.
+         suspended: bool = False, max_step: int = 64) -> Plan:
+    """Creations and deletions that move the pool toward `desired_pool_size`.
 
-    `excess_for` is how long (s) the pool has been above its desired size; pods are only
-    removed once that exceeds `idleTtlSeconds`, so a short lull does not thrash the pool.
+    Sizing is the sandbox gateway's rule (`asyncgrpo.sandbox.sizing`); this adds what only
+    the operator knows: in-flight creations and deletions (expectations), Kubernetes-level
+    failures (kept and counted, so a pod that cannot run is not recreated in a loop), and
+    `idleTtlSeconds`: idle pods are removed only after the pool has been above its target
+    that long (`excess_for`), so a short lull does not churn the pool.
     """
     live_pods = [p for p in pods if not p.deleting and p.name not in pending_deletes]
-    live = len(live_pods) + len(pending_creates)
     if suspended:
-        return Plan(0, sorted(p.name for p in live_pods), live)
-    want = desired_size(spec, demand, live)
-    if live < want:
-        return Plan(min(want - live, spec.hard_cap - live), [], live)
-    if live > want and demand is not None and excess_for >= spec.idle_ttl_seconds:
-        return Plan(0, _victims(live_pods, demand, live - want), live)
-    if live > spec.hard_cap:  # hardCap lowered below the pool: shrink even without a signal
-        return Plan(0, _victims(live_pods, demand or Demand(), live - spec.hard_cap), live)
-    return Plan(0, [], live)
-
+        return Plan(0, [], sorted(p.name for p in live_pods), len(live_pods), 0)
+    members = demand.members if demand else {}
+    replace = sorted(p.name for p in live_pods if members.get(p.name) == "unhealthy"
+                     and not (p.failed or p.unschedulable))
+    counted = [p for p in live_pods if p.name not in replace]
+    current = len(counted) + len(pending_creates)
+    # pods the gateway does not know yet are in-flight creations: never count them idle
+    unknown = sum(1 for p in counted if p.name not in members and not p.failed
+                  and not p.unschedulable) + len(pending_creates)
+    if demand is None:
+        # no signal yet: grow to minWarm, never shrink blind (it could hit a busy sandbox)
+        floor = min(spec.min_warm, spec.max, spec.hard_cap)
+        target = min(floor, current + max_step) if current < floor else current
+    else:
+        target = desired_pool_size(
+            current=current, busy=min(demand.busy, current), waiting=demand.waiting,
+            starting=min(demand.starting + unknown, current), min_warm=spec.min_warm,
+            max_size=spec.max, hard_cap=spec.hard_cap, max_step=max_step)
+    if target > current:
+        room = spec.hard_cap - current - len(replace)
+        return Plan(max(0, min(target - current, room)), [], replace, current, target)
+    if target < current and demand is not None and excess_for >= spec.idle_ttl_seconds:
+        return Plan(0, _victims(counted, demand, current - target), replace, current, target)
+    return Plan(0, [], replace, current, target)
 
 def _victims(pods: list[PodView], demand: Demand, n: int) -> list[str]:
     """Failed first, then not-yet-ready, then idle (outdated template first); never busy."""

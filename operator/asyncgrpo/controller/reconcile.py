@@ -100,8 +100,10 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
         obs.sandboxes, spawned, pool_error = _scale_pool(rt, state, body, run, children,
                                                          stopped)
         obs.pool_error = pool_error
-        obs.sandboxes["spawnedTotal"] = int((old.get("sandboxes") or {}).get(
-            "spawnedTotal", 0)) + spawned
+        # the body may predate our last status patch: the count lives in memory too
+        seen = int((old.get("sandboxes") or {}).get("spawnedTotal", 0))
+        state.spawned_total = max(state.spawned_total, seen) + spawned
+        obs.sandboxes["spawnedTotal"] = state.spawned_total
 
     if _ready(children, "trainer") and not stopped:
         url = rt.settings.trainer_metrics_url.format(name=name, namespace=ns,
@@ -239,15 +241,26 @@ def _apply(rt: Runtime, owner: dict[str, Any], desired: list[dict[str, Any]],
 # ---------------------------------------------------------------- sandbox pool
 
 
-def _fetch_demand(rt: Runtime, state: RunState, ns: str, name: str) -> pool.Demand | None:
+def _fetch_demand(rt: Runtime, ns: str, name: str) -> pool.Demand | None:
     url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + "/v1/demand"
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {state.gateway_token}"}
-                                 if state.gateway_token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=2.0) as resp:  # noqa: S310 (cluster URL)
+    try:  # an open route of the gateway: no token sent
+        with urllib.request.urlopen(url, timeout=2.0) as resp:  # noqa: S310 (cluster URL)
             return pool.Demand.from_json(json.loads(resp.read(1 << 22)))
     except (OSError, ValueError):
         return None
+
+
+def _drain(rt: Runtime, state: RunState, ns: str, name: str, pod: str) -> bool:
+    """Ask the gateway to stop leasing `pod`; True once it says the pod may be deleted."""
+    url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + \
+        f"/v1/members/{pod}/drain"
+    req = urllib.request.Request(url, data=b"", method="POST", headers={
+        "Authorization": f"Bearer {state.gateway_token or ''}"})
+    try:
+        with urllib.request.urlopen(req, timeout=2.0) as resp:  # noqa: S310 (cluster URL)
+            return bool(json.loads(resp.read(1 << 16)).get("safe_to_delete"))
+    except (OSError, ValueError):
+        return False
 
 
 def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun,
@@ -268,15 +281,14 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     adds, dels = rt.expectations.observe(key, [p.name for p in pods])
     demand = None
     if not stopped and _ready(children, "gateway"):
-        demand = _fetch_demand(rt, state, ns, name)
-    live = len([p for p in pods if not p.deleting and p.name not in dels]) + len(adds)
-    want = pool.desired_size(spec, demand, live)
-    if live > want:
+        demand = _fetch_demand(rt, ns, name)
+    excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
+    plan = pool.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped,
+                     max_step=rt.settings.pool_max_step)
+    if plan.target < plan.live and not stopped:
         state.excess_since = state.excess_since or time.monotonic()
     else:
         state.excess_since = None
-    excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
-    plan = pool.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped)
 
     created, error = 0, None
     for _ in range(plan.create):
@@ -293,7 +305,9 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
                 raise
             error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
             break
-    for pod in plan.delete:
+    # unhealthy (or suspended) pods go now; idle ones only once the gateway drained them
+    deleted = list(plan.replace) + [p for p in plan.delete if _drain(rt, state, ns, name, p)]
+    for pod in deleted:
         rt.expectations.expect_delete(key, pod)
         rt.kube.delete("Pod", ns, pod)
     if created:
@@ -302,7 +316,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     members = demand.members if demand else {}
     counts = {"warm": 0, "busy": 0, "starting": len(adds) + created, "failed": 0}
     for p in pods:
-        if p.deleting or p.name in dels or p.name in plan.delete:
+        if p.deleting or p.name in dels or p.name in deleted:
             continue
         if p.failed or p.unschedulable:
             counts["failed"] += 1

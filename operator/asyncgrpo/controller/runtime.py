@@ -29,6 +29,8 @@ class Settings:
     expectations_ttl_seconds: float = 300.0
     #: Seconds between DNS lookups of allowedEgressHosts.
     dns_refresh_seconds: float = 60.0
+    #: Most sandbox pods created or deleted per run in one reconcile.
+    pool_max_step: int = 64
     #: Test hook: delay every pod event this long before the operator sees it.
     pod_watch_delay_seconds: float = 0.0
 
@@ -41,6 +43,7 @@ class RunState:
     secret_ready: bool = False
     gateway_token: str | None = None
     excess_since: float | None = None
+    spawned_total: int = 0
     resolved_at: float = 0.0
     resolved: list[str] = field(default_factory=list)
     progress: Progress | None = None

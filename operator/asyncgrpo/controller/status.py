@@ -200,9 +200,6 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
     if obs.pool_error is not None:
         return _cond("SandboxesReady", False, "SandboxCreateFailed",
                      f"cannot create sandbox pods: {obs.pool_error[1]}")
-    gw = _workload_condition("SandboxesReady", obs.children, "gateway", "gateway", None)
-    if gw["status"] != "True":
-        return gw
     unschedulable = [c for c in obs.children if c.kind == "Pod" and c.component == "sandbox"
                      and c.unschedulable]
     if unschedulable:
@@ -215,6 +212,9 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
         return _cond("SandboxesReady", False, "SandboxesFailed",
                      f"{counts['failed']} sandbox pods failed{detail}; they are kept for "
                      "inspection and removed when the pool shrinks")
+    gw = _workload_condition("SandboxesReady", obs.children, "gateway", "gateway", None)
+    if gw["status"] != "True":
+        return gw
     ready = counts.get("warm", 0) + counts.get("busy", 0)
     need = spec.sandboxes.min_warm  # type: ignore[union-attr]
     if ready >= need:

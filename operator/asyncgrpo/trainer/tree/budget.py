@@ -46,6 +46,7 @@ class _Bin:
     trie: Trie = field(default_factory=Trie)
     members: list[int] = field(default_factory=list)
     trained: int = 0
+    filler_of: int | None = None  # an empty rank's stand-in: forwards this rollout, trains nothing
 
     def fits(self, unit: list[int], rollouts: Sequence[Rollout], budget: int) -> bool:
         new_tokens, _ = self.trie.price([rollouts[i].input_ids for i in unit])
@@ -119,27 +120,42 @@ def plan(rollouts: Sequence[Rollout], ranks: int, budget: int) -> list[MicroBatc
 
 
 def _fill_empty_rows(batches: list[list[_Bin]], rollouts: Sequence[Rollout]) -> None:
+    """Give every empty row rollouts of the fullest row (any subset of a fitting row fits), else a filler."""
     for batch in batches:
         for slot, row in enumerate(batch):
             if row.members:
                 continue
-            donor = max((b for bt in batches for b in bt), key=lambda b: len(b.members))
-            if len(donor.members) >= 2:
-                half = len(donor.members) // 2
-                keep, give = donor.members[:half], donor.members[half:]
-                donor.__dict__.update(_Bin.of(keep, rollouts).__dict__)
-                batch[slot] = _Bin.of(give, rollouts)
-            else:
-                batch[slot] = _Bin(members=[-1 - next(b.members[0] for b in batch if b.members)])
+            slots = [(other, i) for other in batches for i in range(len(other))]
+            donor_batch, donor_slot = max(slots, key=lambda s: len(s[0][s[1]].members))
+            donor = donor_batch[donor_slot]
+            if len(donor.members) < 2:
+                first = next(b.members[0] for b in batch if b.members)
+                batch[slot] = _Bin(filler_of=first)
+                continue
+            keep, give = _halve(donor.members, rollouts)
+            donor_batch[donor_slot] = _Bin.of(keep, rollouts)
+            batch[slot] = _Bin.of(give, rollouts)
+
+
+def _halve(members: list[int], rollouts: Sequence[Rollout]) -> tuple[list[int], list[int]]:
+    """Split whole groups apart when the row holds several; otherwise split its one group."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i in members:
+        groups[rollouts[i].group_id].append(i)
+    if len(groups) >= 2:
+        parts = list(groups.values())
+        half = len(parts) // 2
+        return [i for p in parts[:half] for i in p], [i for p in parts[half:] for i in p]
+    half = len(members) // 2
+    return members[:half], members[half:]
 
 
 def _materialise(batch: list[_Bin], rollouts: Sequence[Rollout]) -> MicroBatch:
     rows, sources = [], []
     for b in batch:
-        if b.members and b.members[0] < 0:  # filler: a copy of a rollout that trains nothing
-            source = rollouts[-1 - b.members[0]]
-            copy = replace(source, completion_mask=(0,) * len(source))
-            row = pack([copy])
+        if b.filler_of is not None:
+            source = rollouts[b.filler_of]
+            row = pack([replace(source, completion_mask=(0,) * len(source))])
             row.filler = True
             rows.append(row)
             sources.append([])

@@ -99,7 +99,8 @@ def _uvicorn_run(app, host: str, port: int) -> int:
         port=port,
         log_level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "warning").lower(),
         access_log=False,
-        timeout_keep_alive=30,
+        timeout_keep_alive=30,  # the gateway's client drops idle connections at 15 s
+        http="h11",  # h11 enforces the header size cap below; httptools would not
         backlog=4096,
         h11_max_incomplete_event_size=64 * 1024,  # caps request line + headers
     )

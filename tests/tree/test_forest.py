@@ -91,10 +91,11 @@ def test_segments_partition_the_row_and_see_their_root_path(rollouts):
     assert segments[0].start == 0 and segments[-1].end == row.tokens
     for s, nxt in itertools.pairwise(segments):
         assert s.end == nxt.start
-    for s in segments:
-        keys = list(range(s.start, s.end)) if s.kv_index is None else s.kv_index.tolist()
+    for i, s in enumerate(segments):
+        keys = layout.kv_index(i).tolist()
         assert keys == mask[s.end - 1].nonzero().flatten().tolist()
         assert len(keys) == s.prefix + s.length
+        assert bool(s.ancestors) == (s.prefix > 0)
 
 
 def test_fork_forwards_one_position_with_a_target_per_branch():

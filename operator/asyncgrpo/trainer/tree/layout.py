@@ -26,7 +26,6 @@ class Segment:
     end: int
     ancestors: tuple[int, ...]
     prefix: int  # tokens on the root path before `start`
-    kv_index: torch.Tensor | None  # packed indices of its keys; None for a root (keys are [start, end))
 
     @property
     def length(self) -> int:
@@ -82,14 +81,15 @@ class TreeLayout:
                 while stack and leave_list[segments[stack[-1]].start] <= start:
                     stack.pop()
                 prefix = sum(segments[a].length for a in stack)
-                kv = None
-                if stack:
-                    kv = torch.cat([torch.arange(segments[a].start, segments[a].end) for a in stack]
-                                   + [torch.arange(start, end)])
-                stack.append(len(segments))
-                segments.append(Segment(start, end, tuple(stack[:-1]), prefix, kv))
+                segments.append(Segment(start, end, tuple(stack), prefix))
+                stack.append(len(segments) - 1)
             self._segments = segments
         return self._segments
+
+    def kv_index(self, i: int) -> torch.Tensor:
+        """Packed indices of the keys segment `i` attends to: its root path, then itself."""
+        segs = self.segments()
+        return torch.cat([torch.arange(segs[j].start, segs[j].end) for j in (*segs[i].ancestors, i)])
 
     def segment_masks(self, dtype: torch.dtype, device) -> list[torch.Tensor | None]:
         """Per-segment additive masks (None for roots), built once and shared by every layer."""

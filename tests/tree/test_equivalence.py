@@ -106,3 +106,21 @@ def test_gradient_checkpointing_passes_the_layout_through():
     model.train()
     ok, problems = verdict(compare(model, awkward_batch(seed=5), ranks=2, budget=120))
     assert ok, problems
+
+
+def test_moe_router_aux_loss_counts_each_forwarded_token_once():
+    """The documented difference: shared prefixes enter the load-balancing statistic once."""
+    model = build_model("moe", seed=8)
+    rollouts = synthetic_rollouts(groups=2, generations=4, prompt=30, completion=6)
+
+    def aux(row):
+        return model(input_ids=row.input_ids[None], position_ids=row.position_ids[None],
+                     tree_layout=TreeLayout.from_row(row), tree_pred_pos=row.pred_pos,
+                     tree_targets=row.target, output_router_logits=True).aux_loss
+
+    with torch.no_grad():
+        tree, sequence = aux(pack(rollouts)), aux(pack(rollouts, share=False))
+        assert abs(tree - sequence) > 1e-4
+        unshared = synthetic_rollouts(groups=4, generations=1, prompt=30, completion=6, seed=1)
+        assert pack(unshared).tokens == pack(unshared, share=False).tokens  # nothing in common
+        torch.testing.assert_close(aux(pack(unshared)), aux(pack(unshared, share=False)))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .attention import TREE_ATTENTION, install_tree_attention
+from .attention import TREE_ATTENTION, install_tree_attention, uses_flex
 from .budget import plan
 from .layout import TreeLayout
 from .loss import add_tree_lm_head, grpo_loss
@@ -154,6 +154,7 @@ def compare(model, rollouts: Sequence[Rollout], ranks: int = 1, budget: int = 40
         "max_grad_abs_diff": grad_abs,
         "max_grad_rel_diff": grad_rel,
         "trainable_parameters": sum(g.numel() for g in grads.values()),
+        "attention": "flex" if uses_flex(device) else "sdpa-segments",
     }
 
 

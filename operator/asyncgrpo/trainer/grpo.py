@@ -98,6 +98,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         self.served_version = 0  # the version rollouts request
         self.published: list[dict] = []  # this process's publishes, for status and tests
         self.resumed_from_step: int | None = None
+        self.history: list[dict] = []  # per logged step: reward, loss (rank 0; bounded)
         super().__init__(*args, **kwargs)
         self._gate = None
         if isinstance(self.rollout_worker, AsyncRolloutWorker):
@@ -282,15 +283,23 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         super().log(logs, start_time)
-        if self._metrics_sink is not None and self.accelerator.is_main_process:
-            self._metrics_sink.update_from_logs(logs)
-            self._metrics_sink.set("step", self.state.global_step)
+        if not self.accelerator.is_main_process:
+            return
+        if "reward" in logs:
+            self.history.append({k: logs.get(k) for k in ("reward", "reward_std", "loss",
+                                                          "perf/step_s")}
+                                | {"step": int(self.state.global_step)})
+            del self.history[:-1000]
+        m = self._metrics_sink
+        if m is not None:
+            m.update_from_logs(logs)
+            m.set("step", self.state.global_step)
             if self.rollout_queue is not None:
                 try:
-                    self._metrics_sink.set("rollout_queue_depth", self.rollout_queue.qsize())
+                    m.set("rollout_queue_depth", self.rollout_queue.qsize())
                 except NotImplementedError:  # macOS mp queues
                     pass
-            self._write_status()
+        self._write_status()
 
     def _write_status(self) -> None:
         if self._status_file is None or not self.accelerator.is_main_process:
@@ -301,6 +310,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             "served_version": self.served_version,
             "resumed_from_step": self.resumed_from_step,
             "published": self.published,
+            "history": self.history,
             "conditions": self._metrics_sink.status()["conditions"] if self._metrics_sink else [],
         }
         tmp = self._status_file.with_suffix(".tmp")

@@ -1,14 +1,16 @@
-"""Tree packing tests run on two shared CPU cores: one torch thread, few hypothesis examples."""
+"""Tree packing tests share two CPU cores with other suites: one torch thread while they run.
 
+Hypothesis settings are applied per test (`tree_strategies.tree_settings`), not as a global
+profile, so other folders' property tests keep their own.
+"""
+
+import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
-torch.set_num_threads(1)
 
-settings.register_profile(
-    "tree",
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.load_profile("tree")
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

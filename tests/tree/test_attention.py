@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tree_strategies import rollout_sets
+from tree_strategies import rollout_sets, tree_settings
 
 from asyncgrpo.trainer.tree import TreeLayout, pack
 from asyncgrpo.trainer.tree.attention import flex_tree_attention, segment_attention, tree_attention
@@ -23,6 +23,7 @@ def dense_reference(q, k, v, layout):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense_mask(), enable_gqa=True)
 
 
+@tree_settings
 @given(rollout_sets(max_completion=10), st.integers(0, 1000))
 def test_segment_path_equals_dense_mask_forward_and_backward(rollouts, seed):
     layout = TreeLayout.from_row(pack(rollouts))
@@ -36,7 +37,7 @@ def test_segment_path_equals_dense_mask_forward_and_backward(rollouts, seed):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=15)
+@settings(tree_settings, max_examples=15)
 @given(rollout_sets(max_completion=10), st.integers(0, 1000))
 def test_flex_attention_forward_on_cpu_equals_segment_path(rollouts, seed):
     """FlexAttention's eager forward runs on CPU: the BlockMask built for CUDA defines the same attention."""

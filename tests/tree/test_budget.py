@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tree_strategies import rollout_sets
+from tree_strategies import rollout_sets, tree_settings
 
 from asyncgrpo.trainer.tree import Rollout, RolloutError, Trie, pack
 from asyncgrpo.trainer.tree.budget import group_units, plan
@@ -23,6 +23,7 @@ def plans():
     return draw()
 
 
+@tree_settings
 @given(plans())
 def test_every_rollout_lands_exactly_once_and_rows_stay_in_budget(case):
     rollouts, ranks, budget = case
@@ -41,6 +42,7 @@ def test_every_rollout_lands_exactly_once_and_rows_stay_in_budget(case):
     assert sum(b.trained for b in batches) == sum(r.trained for r in rollouts)
 
 
+@tree_settings
 @given(plans())
 def test_groups_that_fit_stay_in_one_row(case):
     rollouts, ranks, budget = case
@@ -80,6 +82,7 @@ def test_more_ranks_than_rollouts_forward_fillers_that_train_nothing():
     assert PackingMetrics.of([batch]).filler_rows == 2
 
 
+@tree_settings
 @given(st.integers(2, 4), st.integers(4, 12), st.randoms(use_true_random=False))
 def test_ranks_are_balanced_by_attention_cost(ranks, groups, rng):
     rollouts = []
@@ -109,6 +112,7 @@ def test_metrics_count_raw_and_forwarded_work():
     assert m.as_scalars()["tree/compression_ratio"] == pytest.approx(2.0)
 
 
+@tree_settings
 @given(rollout_sets(), rollout_sets())
 def test_trie_prices_a_candidate_exactly_without_changing(placed, candidate):
     trie = Trie()

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 from hypothesis import given, settings
-from tree_strategies import rollout_sets
+from tree_strategies import rollout_sets, tree_settings
 
 from asyncgrpo.trainer.tree import Rollout, TreeLayout, pack
 from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
@@ -62,7 +62,7 @@ def test_off_policy_ratios_and_clipping_match_unpacked():
     assert ok, problems
 
 
-@settings(max_examples=15)
+@settings(tree_settings, max_examples=15)
 @given(rollout_sets(max_prompt=8, max_completion=8))
 def test_per_token_log_probs_match_unpacked_for_any_forest(rollouts):
     model = _shared_model()

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tree_strategies import rollout_sets
+from tree_strategies import rollout_sets, tree_settings
 
 from asyncgrpo.trainer.tree import Rollout, RolloutError, TreeLayout, pack
 
@@ -14,6 +14,7 @@ def distinct_prefixes(rollouts):
     return {tuple(r.input_ids[: k + 1]) for r in rollouts for k in range(len(r))}
 
 
+@tree_settings
 @given(rollout_sets())
 def test_every_rollout_reconstructs_at_its_original_positions(rollouts):
     row = pack(rollouts)
@@ -22,6 +23,7 @@ def test_every_rollout_reconstructs_at_its_original_positions(rollouts):
         assert row.position_ids[path].tolist() == list(range(len(r)))
 
 
+@tree_settings
 @given(rollout_sets())
 def test_forwarded_tokens_are_the_distinct_prefixes(rollouts):
     row = pack(rollouts)
@@ -29,6 +31,7 @@ def test_forwarded_tokens_are_the_distinct_prefixes(rollouts):
     assert pack(rollouts, share=False).tokens == sum(len(r) for r in rollouts)
 
 
+@tree_settings
 @given(rollout_sets())
 def test_each_query_sees_exactly_its_own_path(rollouts):
     row = pack(rollouts)
@@ -39,6 +42,7 @@ def test_each_query_sees_exactly_its_own_path(rollouts):
             assert set(mask[q].nonzero().flatten().tolist()) == set(path[: p + 1])
 
 
+@tree_settings
 @given(rollout_sets())
 def test_nothing_is_visible_across_unrelated_rollouts(rollouts):
     row = pack(rollouts)
@@ -54,6 +58,7 @@ def test_nothing_is_visible_across_unrelated_rollouts(rollouts):
                         assert not mask[pa[p], pb[k]]
 
 
+@tree_settings
 @given(rollout_sets())
 def test_loss_terms_are_the_trained_tokens_with_their_own_data(rollouts):
     row = pack(rollouts)
@@ -68,6 +73,7 @@ def test_loss_terms_are_the_trained_tokens_with_their_own_data(rollouts):
         assert float(row.advantage[j]) == pytest.approx(r.advantage)
 
 
+@tree_settings
 @given(rollout_sets(), st.randoms(use_true_random=False))
 def test_layout_does_not_depend_on_insertion_order(rollouts, rng):
     shuffled = list(rollouts)
@@ -82,6 +88,7 @@ def test_layout_does_not_depend_on_insertion_order(rollouts, rng):
     assert terms(a, rollouts) == terms(b, shuffled)
 
 
+@tree_settings
 @given(rollout_sets())
 def test_segments_partition_the_row_and_see_their_root_path(rollouts):
     row = pack(rollouts)

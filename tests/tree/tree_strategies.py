@@ -5,9 +5,14 @@ chance) common; a system prompt shared across groups, duplicates, rollouts that 
 prefix of another, single-token completions, empty masks and groups of one all occur.
 """
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from asyncgrpo.trainer.tree import Rollout
+
+#: Settings of every property test here: examples are cheap; no deadline on shared cores.
+tree_settings = settings(max_examples=100, deadline=None,
+                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @st.composite

@@ -11,10 +11,12 @@ the same workload three ways and prints one table:
                     (what you would get without leases; not safe for real rollouts).
 
 Per-exec latency is measured at the client; the gateway's overhead is its p50/p99 minus
-those of "direct exclusive". Afterwards the gateway must show zero active leases, zero
-expired or broken ones, every group served, and every sandbox warm again.
+those of "direct exclusive". The modes run in interleaved rounds, and the CPU time of the
+gateway and sandbox processes (from /proc) is reported per exec: on a shared machine wall
+times drift with other load, CPU per exec does not. Afterwards the gateway must show zero
+active leases, zero expired or broken ones, every group served, every sandbox warm again.
 
-    .venv/bin/python bench/sandbox_gateway_bench.py --groups 64 --execs 20 --sandboxes 8
+    .venv/bin/python bench/sandbox_gateway_bench.py --groups 64 --execs 20 --sandboxes 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def main() -> int:
     ap.add_argument("--execs", type=int, default=20)
     ap.add_argument("--sandboxes", type=int, default=8)
     ap.add_argument("--command", default="echo hi")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per mode, interleaved")
     args = ap.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="asyncgrpo-bench-"))
@@ -178,18 +181,35 @@ def main() -> int:
                 raise TimeoutError("pool did not become warm")
             time.sleep(0.2)
 
-        results = {
-            "direct shared": asyncio.run(run_direct_shared(urls, args.groups, args.execs, args.command)),
-            "direct exclusive": asyncio.run(run_direct_exclusive(urls, args.groups, args.execs, args.command)),
-            "gateway": asyncio.run(run_gateway(gurl, args.groups, args.execs, args.command)),
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def cpu(pids: list[int]) -> float:
+            total = 0
+            for pid in pids:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                fields = stat[stat.rfind(")") + 2 :].split()
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+            return total / tick
+
+        sandbox_pids = [p.pid for p in procs[:-1]]
+        modes = {
+            "direct shared": lambda: run_direct_shared(urls, args.groups, args.execs, args.command),
+            "direct exclusive": lambda: run_direct_exclusive(urls, args.groups, args.execs, args.command),
+            "gateway": lambda: run_gateway(gurl, args.groups, args.execs, args.command),
         }
-        # let the last resets finish, then audit the gateway's books
-        deadline = time.monotonic() + 60
-        while True:
-            d = httpx.get(f"{gurl}/v1/demand").json()
-            if d["idle"] == args.sandboxes or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        rounds: dict[str, list[dict]] = {m: [] for m in modes}
+        for _ in range(args.rounds):  # modes interleaved, so drifting load hits all of them
+            for mode, make in modes.items():
+                c0 = (cpu([gw.pid]), cpu(sandbox_pids))
+                r = asyncio.run(make())
+                r["gw_cpu"], r["sb_cpu"] = cpu([gw.pid]) - c0[0], cpu(sandbox_pids) - c0[1]
+                rounds[mode].append(r)
+                deadline = time.monotonic() + 60
+                while httpx.get(f"{gurl}/v1/demand").json()["idle"] < args.sandboxes:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+        d = httpx.get(f"{gurl}/v1/demand").json()
         m = httpx.get(f"{gurl}/metrics").text
         released = metric(m, 'asyncgrpo_gateway_leases_ended_total{how="released"}')
         expired = metric(m, 'asyncgrpo_gateway_leases_ended_total{how="expired"}')
@@ -199,22 +219,31 @@ def main() -> int:
 
         n = args.groups * args.execs
         print(f"\n{args.groups} groups x {args.execs} execs of {args.command!r} over {args.sandboxes} sandbox "
-              f"servers ({os.cpu_count()} CPUs)\n")
-        print(f"{'mode':<18}{'execs/s':>10}{'wall s':>9}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'failed':>8}")
-        for mode, r in results.items():
-            lat = r["lat"]
-            print(f"{mode:<18}{len(lat) / r['wall']:>10.1f}{r['wall']:>9.2f}{pct(lat, .5) * 1e3:>9.2f}"
-                  f"{pct(lat, .99) * 1e3:>9.2f}{statistics.mean(lat) * 1e3:>9.2f}{r['failures']:>8}")
-        g, x = results["gateway"]["lat"], results["direct exclusive"]["lat"]
-        print(f"\ngateway overhead per exec vs direct exclusive: p50 +{(pct(g, .5) - pct(x, .5)) * 1e3:.2f} ms, "
-              f"p99 +{(pct(g, .99) - pct(x, .99)) * 1e3:.2f} ms; throughput ratio "
-              f"{(len(g) / results['gateway']['wall']) / (len(x) / results['direct exclusive']['wall']):.2f}")
-        lw = results["gateway"]["lease_wait"]
+              f"servers, {args.rounds} interleaved rounds per mode ({os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f} at the end)\n")
+        print(f"{'mode':<18}{'execs/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'failed':>8}{'sandbox CPU ms/exec':>21}"
+              f"{'gateway CPU ms/exec':>21}")
+        summary = {}
+        for mode, rs in rounds.items():
+            lat = [x for r in rs for x in r["lat"]]
+            rate = statistics.median(len(r["lat"]) / r["wall"] for r in rs)
+            total = len(lat)
+            sb_ms = sum(r["sb_cpu"] for r in rs) / total * 1e3
+            gw_ms = sum(r["gw_cpu"] for r in rs) / total * 1e3
+            summary[mode] = (rate, pct(lat, .5), pct(lat, .99), gw_ms)
+            print(f"{mode:<18}{rate:>9.1f}{pct(lat, .5) * 1e3:>9.2f}{pct(lat, .99) * 1e3:>9.2f}"
+                  f"{sum(r['failures'] for r in rs):>8}{sb_ms:>21.2f}{gw_ms:>21.2f}")
+        g, x = summary["gateway"], summary["direct exclusive"]
+        print(f"\ngateway vs direct exclusive: p50 {(g[1] - x[1]) * 1e3:+.2f} ms, p99 {(g[2] - x[2]) * 1e3:+.2f} ms, "
+              f"throughput x{g[0] / x[0]:.2f}; the gateway process spends {g[3]:.2f} ms CPU per exec")
+        lw = [x for r in rounds["gateway"] for x in r["lease_wait"]]
         print(f"lease wait: p50 {pct(lw, .5) * 1e3:.1f} ms, p99 {pct(lw, .99) * 1e3:.1f} ms "
               f"({warm:.0f} warm, {cold:.0f} cold)")
-        ok = (len(g) == n and released == args.groups and expired == 0 and broken == 0
+        groups_total = args.groups * args.rounds
+        served = sum(len(r["lat"]) for r in rounds["gateway"])
+        ok = (served == n * args.rounds and released == groups_total and expired == 0 and broken == 0
               and d["leases_active"] == 0 and d["busy"] == 0 and d["idle"] == args.sandboxes)
-        print(f"leases: {released:.0f} released of {args.groups} groups, {expired:.0f} expired, {broken:.0f} broken; "
+        print(f"leases: {released:.0f} released of {groups_total} groups, {expired:.0f} expired, {broken:.0f} broken; "
               f"after: {d['leases_active']} active, {d['busy']} busy, {d['idle']} idle -> "
               f"{'no lost or leaked leases' if ok else 'LOST OR LEAKED LEASES'}")
         return 0 if ok else 1

@@ -31,7 +31,7 @@ def wait_for(fn, timeout: float = 30.0, interval: float = 0.2, what: str = "cond
             last = fn()
             if last:
                 return last
-        except AssertionError as e:
+        except (AssertionError, KeyError, TypeError) as e:   # not there yet
             last = e
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
@@ -89,10 +89,11 @@ class Api:
         return [e for e in self.call("GET", f"/api/v1/namespaces/{ns}/events")["items"]
                 if e["involvedObject"].get("name") == name]
 
-    def write_requests(self, resources: set[str]) -> int:
-        """The API server's own count of write requests on `resources` (all clients)."""
+    def write_requests(self, resources: set[str]) -> dict[tuple[str, str], int]:
+        """The API server's own count of write requests on `resources` (all clients), by
+        (verb, resource)."""
         text = self.call_text("/metrics")
-        total = 0
+        total: dict[tuple[str, str], int] = {}
         for line in text.splitlines():
             if not line.startswith("apiserver_request_total{"):
                 continue
@@ -100,7 +101,8 @@ class Api:
                           line[line.index("{") + 1:line.index("}")].replace('"', "").split(","))
             if labels.get("verb") in ("POST", "PUT", "PATCH", "DELETE", "APPLY") \
                     and labels.get("resource") in resources:
-                total += int(float(line.rsplit(" ", 1)[1]))
+                k = (labels["verb"], labels["resource"])
+                total[k] = total.get(k, 0) + int(float(line.rsplit(" ", 1)[1]))
         return total
 
     def call_text(self, url: str) -> str:

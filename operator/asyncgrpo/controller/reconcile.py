@@ -38,6 +38,10 @@ PRUNED_KINDS = frozenset({"ConfigMap", "Service", "ServiceAccount", "Deployment"
                           "StatefulSet", "NetworkPolicy", "Role", "RoleBinding"})
 
 
+#: Seconds before retrying a sandbox creation the API server refused.
+POOL_RETRY_SECONDS = 30.0
+
+
 def now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -114,7 +118,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     obs.progress = state.progress
 
     status, events = compute(run.spec, obs, old, now_iso())
-    return Outcome(status, events, delete_run=_ttl_expired(run, status))
+    return Outcome(status, events, delete_run=_ttl_expired(run, {**old, **status}))
 
 
 def _merge_progress(old: progress.Progress | None,
@@ -291,6 +295,11 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         state.excess_since = None
 
     created, error = 0, None
+    if state.pool_error is not None and state.pool_error[2] == current \
+            and time.monotonic() < state.pool_error[0]:
+        # a refused creation (missing RuntimeClass, quota): retry later, not every tick
+        error, plan = state.pool_error[1], pool.Plan(0, plan.delete, plan.replace, plan.live,
+                                                     plan.target)
     for _ in range(plan.create):
         body = sandboxes.build_pod(run, sandboxes.random_suffix())
         kopf.adopt(body, owner=owner)
@@ -304,7 +313,10 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
             if e.status >= 500:
                 raise
             error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
+            state.pool_error = (time.monotonic() + POOL_RETRY_SECONDS, error, current)
             break
+    if created:
+        state.pool_error = None
     # unhealthy (or suspended) pods go now; idle ones only once the gateway drained them
     deleted = list(plan.replace) + [p for p in plan.delete if _drain(rt, state, ns, name, p)]
     for pod in deleted:

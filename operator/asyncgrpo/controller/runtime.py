@@ -44,6 +44,8 @@ class RunState:
     gateway_token: str | None = None
     excess_since: float | None = None
     spawned_total: int = 0
+    #: a refused sandbox creation: (retry after, (reason, message), pod template hash)
+    pool_error: tuple[float, tuple[str, str], str] | None = None
     resolved_at: float = 0.0
     resolved: list[str] = field(default_factory=list)
     progress: Progress | None = None

@@ -161,3 +161,24 @@ def test_trl_config_from_the_run(tmp_path):
     run.spec.trainer.beta = 0.1
     with pytest.raises(ValueError, match="no reference model"):
         trl_config(run, env, use_cpu=True)
+
+
+def test_multi_turn_runs_get_the_sandbox_harness():
+    from asyncgrpo.api import parse_run
+    from asyncgrpo.trainer.main import environment_factory
+    from asyncgrpo.trainer.runtime_env import RuntimeEnv
+
+    base = {"model": {"name": "m"}, "adapterStore": {"bucket": "bkt"}, "data": {"path": "/d"},
+            "reward": {"functions": [{"name": "exact_match"}]}}
+    env = RuntimeEnv.from_env({"ASYNCGRPO_GATEWAY_URL": "http://gw:8080"})
+    assert environment_factory(parse_run({"spec": base}), env) is None
+    run = parse_run({"spec": {**base, "harness": {"type": "multi-turn", "maxTurns": 4,
+                                                  "tools": ["shell", "write_file"]},
+                              "sandboxes": {"execTimeoutSeconds": 30}}})
+    factory = environment_factory(run, env)
+    assert factory.config.tools == ("shell", "write_file")
+    assert factory.config.gateway_url == "http://gw:8080"
+    assert factory.config.num_generations == run.spec.trainer.num_generations
+    import pickle
+
+    pickle.dumps(factory)  # TRL pickles it into the rollout child

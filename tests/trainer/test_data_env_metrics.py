@@ -141,3 +141,18 @@ def test_metrics_endpoint_serves_every_documented_name_and_status():
         assert status["conditions"][0]["reason"] == "LogProbMismatch"
     finally:
         m.close()
+
+
+def test_docs_list_every_metric_and_variable():
+    import re
+    from pathlib import Path
+
+    from asyncgrpo.trainer import runtime_env
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    for name in METRICS:
+        assert PREFIX + name in doc, name
+    variables = set(re.findall(r"\b(ASYNCGRPO_[A-Z_]+|AWS_[A-Z_]+)\b", runtime_env.__doc__))
+    documented = set(re.findall(r"\b(ASYNCGRPO_[A-Z_]+|AWS_[A-Z_]+)\b", doc))
+    assert variables - {"AWS_ENDPOINT_URL_S3"} <= documented
+    assert documented - {"AWS_ENDPOINT_URL_S3"} <= variables | {"ASYNCGRPO_ADAPTER_ENDPOINT"}

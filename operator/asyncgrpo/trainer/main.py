@@ -69,6 +69,24 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
     )
 
 
+def environment_factory(run, env: RuntimeEnv):
+    """TRL's `environment_factory` for a multi-turn run: the sandbox component's harness
+    (tools through the gateway, one lease per group); None for single-turn."""
+    h = run.spec.harness
+    if h.type != "multi-turn":
+        return None
+    from asyncgrpo.sandbox.environment import SandboxEnvironmentFactory
+
+    kw = {}
+    if h.tools:
+        kw["tools"] = tuple(h.tools)
+    if run.spec.sandboxes is not None:
+        kw["timeout_seconds"] = float(run.spec.sandboxes.exec_timeout_seconds)
+    if env.gateway_url:
+        kw["gateway_url"] = env.gateway_url
+    return SandboxEnvironmentFactory(num_generations=run.spec.trainer.num_generations, **kw)
+
+
 def lora_config(spec):
     from peft import LoraConfig
 
@@ -135,6 +153,9 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
                                   spec.trainer.expert_parallel_size, spec.model.moe)
     if dist_cfg is not None:
         args.model_init_kwargs = {"distributed_config": dist_cfg}
+    env_factory = environment_factory(run, env)
+    if env_factory is not None:
+        args.max_tool_calling_iterations = spec.harness.max_turns
 
     resume_dir = None
     latest = checkpoints.latest()
@@ -150,6 +171,7 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=lora_config(spec) if lora else None,
+        environment_factory=env_factory,
         store=store,
         served_prefix=env.adapter_name_prefix,
         metrics=metrics,

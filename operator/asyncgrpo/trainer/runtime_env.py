@@ -12,6 +12,7 @@ Variable                       Meaning
 ASYNCGRPO_VLLM_URL             vLLM OpenAI-compatible root, e.g. http://run-vllm:8000
                                (required; the Service in front of every replica)
 ASYNCGRPO_GATEWAY_URL          sandbox gateway root (multi-turn tools, sandbox_tests)
+ASYNCGRPO_GATEWAY_TOKEN        gateway bearer token (read by asyncgrpo.sandbox.client)
 ASYNCGRPO_S3_ENDPOINT          overrides spec.adapterStore.endpoint (else
                                AWS_ENDPOINT_URL_S3, else the spec)
 AWS_ACCESS_KEY_ID,             bucket credentials (from spec.adapterStore.credentialsSecret);

@@ -1,0 +1,130 @@
+"""Operator restarts and replicas: a restart mid-run creates no duplicates and loses no state;
+two peered replicas never both act. Each test runs its own operators on its own namespace."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.operator.conftest import operator_settings
+from tests.operator.helpers import component, kubelet, make_run, s3_secret, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+KINDS = ("ConfigMap", "Secret", "Service", "ServiceAccount", "Deployment", "StatefulSet",
+         "NetworkPolicy", "Role", "RoleBinding", "Pod")
+
+
+def own_namespace(api, s3):
+    ns = api.namespace("own")
+    api.create(s3_secret(s3, ns))
+    return ns
+
+
+def uids(api, ns, run):
+    out = {}
+    for kind in KINDS:
+        for obj in api.list(kind, ns, f"asyncgrpo.dev/run={run}"):
+            if not obj["metadata"].get("deletionTimestamp"):
+                out[(kind, obj["metadata"]["name"])] = obj["metadata"]["uid"]
+    return out
+
+
+def writes(op) -> float:
+    return sum(s.value for m in op.runtime.metrics.api_writes.collect() for s in m.samples
+               if s.name.endswith("_total"))
+
+
+def pool_run(s3, ns, name, min_warm=4):
+    run = make_run(s3, ns, name, "multi-turn-sandboxes.yaml")
+    sb = run["spec"]["sandboxes"]
+    sb.pop("runtimeClassName")
+    sb["network"].pop("allowedEgressHosts")
+    sb["minWarm"] = min_warm
+    return run
+
+
+def test_restart_mid_run_creates_nothing_twice_and_keeps_status(api, crd_installed, peers,
+                                                                  s3_server):
+    from asyncgrpo.controller.embedded import EmbeddedOperator
+
+    ns = own_namespace(api, s3_server)
+    first = EmbeddedOperator([ns], operator_settings(peers)).start()
+    try:
+        api.create(pool_run(s3_server, ns, "keep"))
+        wait_for(lambda: kubelet(api, ns, component("keep", "gateway")), what="gateway pod")
+        wait_for(lambda: len(kubelet(api, ns, component("keep", "sandbox"))) == 4, what="pool")
+        wait_for(lambda: kubelet(api, ns, component("keep", "vllm")), what="vllm pods")
+        wait_for(lambda: api.get("StatefulSet", ns, "keep-trainer")["spec"]["replicas"] == 1,
+                 what="trainer up")
+        wait_for(lambda: kubelet(api, ns, component("keep", "trainer")), what="trainer pod")
+        wait_for(lambda: api.run(ns, "keep")["status"]["phase"] == "Running", what="Running")
+        wait_for(lambda: api.run(ns, "keep")["status"]["sandboxes"]["warm"] == 4, what="warm")
+    finally:
+        first.stop()
+    before = uids(api, ns, "keep")
+    status_before = api.run(ns, "keep")["status"]
+
+    second = EmbeddedOperator([ns], operator_settings(peers)).start()
+    try:
+        time.sleep(4)  # four resync periods
+        assert uids(api, ns, "keep") == before
+        assert writes(second) == 0
+        status = api.run(ns, "keep")["status"]
+        assert status["phase"] == "Running"
+        assert status["sandboxes"] == status_before["sandboxes"]
+        assert status["startTime"] == status_before["startTime"]
+        assert status["conditions"] == status_before["conditions"]
+    finally:
+        second.stop()
+
+
+def install_peering(api):
+    from kubernetes.client.exceptions import ApiException
+
+    path = Path(__file__).resolve().parents[2] / "charts/asyncgrpo/crds/kopf-peering.yaml"
+    for crd in yaml.safe_load_all(path.read_text()):
+        try:
+            api.call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=crd)
+        except ApiException as e:
+            assert e.status == 409
+    wait_for(lambda: all(
+        any(c["type"] == "Established" and c["status"] == "True" for c in
+            (api.call("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{n}")
+             .get("status") or {}).get("conditions", []))
+        for n in ("kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev")), what="peering CRDs")
+
+
+def test_two_peered_replicas_never_both_act(api, crd_installed, peers, s3_server):
+    from asyncgrpo.controller.embedded import EmbeddedOperator
+
+    install_peering(api)
+    ns = own_namespace(api, s3_server)
+    api.call("POST", f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings", body={
+        "apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+        "metadata": {"name": "asyncgrpo", "namespace": ns}})
+    leader = EmbeddedOperator([ns], operator_settings(peers), peering="asyncgrpo",
+                              priority=100).start()
+    standby = EmbeddedOperator([ns], operator_settings(peers), peering="asyncgrpo",
+                               priority=10).start()
+    try:
+        time.sleep(2)  # let them see each other
+        api.create(pool_run(s3_server, ns, "solo", min_warm=3))
+        wait_for(lambda: len(api.list("Pod", ns, component("solo", "sandbox"))) == 3,
+                 what="pool")
+        time.sleep(3)
+        assert writes(leader) > 0
+        assert writes(standby) == 0
+        assert len(api.list("Pod", ns, component("solo", "sandbox"))) == 3
+
+        leader.stop()   # a graceful exit removes its peering record: the standby takes over
+        api.patch("AsyncGRPORun", ns, "solo", {"spec": {"sandboxes": {"minWarm": 5}}})
+        wait_for(lambda: len(api.list("Pod", ns, component("solo", "sandbox"))) == 5,
+                 timeout=60, what="standby acting")
+        assert writes(standby) > 0
+    finally:
+        standby.stop()
+        if leader._thread is not None and leader._thread.is_alive():
+            leader.stop()

@@ -1,0 +1,237 @@
+"""The child builders, without a cluster: every example builds, specs carry what the run
+asks for, and hashes move only with what each child depends on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncgrpo.api import load_run
+from asyncgrpo.api.validation import parse_run
+from asyncgrpo.controller import (
+    configmap,
+    gateway,
+    network,
+    rbac,
+    sandboxes,
+    secret,
+    trainer,
+    vllm,
+)
+from asyncgrpo.controller.children import build_children
+from asyncgrpo.controller.common import HASH_ANNOTATION, RUN_AS_USER
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+def run_of(name: str = "multi-turn-sandboxes.yaml", **changes):
+    run = load_run(Path(__file__).resolve().parents[2] / "examples" / name)
+    doc = run.model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc["metadata"]["namespace"] = "ns"
+    for dotted, value in changes.items():
+        node = doc
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return parse_run(doc)
+
+
+def h(obj) -> str:
+    return obj["metadata"]["annotations"][HASH_ANNOTATION]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_builds_labelled_hashed_children(path):
+    run = load_run(path)
+    run.metadata.namespace = "ns"
+    objs = build_children(run)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(names) == len(set(names))
+    for o in objs:
+        labels = o["metadata"]["labels"]
+        assert labels["app.kubernetes.io/managed-by"] == "asyncgrpo-operator"
+        assert labels["asyncgrpo.dev/run"] == run.metadata.name
+        assert len(o["metadata"]["name"]) <= 63
+        assert HASH_ANNOTATION in o["metadata"]["annotations"]
+    kinds = {k for k, _ in names}
+    assert {"ConfigMap", "StatefulSet", "Deployment", "Service", "NetworkPolicy",
+            "ServiceAccount"} <= kinds
+    assert ("Role" in kinds) == (run.spec.sandboxes is not None)
+
+
+def test_builders_are_deterministic():
+    assert build_children(run_of()) == build_children(run_of())
+
+
+def test_config_map_is_the_run_file_the_trainer_loads(tmp_path):
+    run = run_of(**{"spec.suspend": True})
+    cm = configmap.build_config_map(run)
+    text = cm["data"]["run.yaml"]
+    (tmp_path / "run.yaml").write_text(text)
+    loaded = load_run(tmp_path / "run.yaml")
+    assert loaded.spec.model_copy(update={
+        "suspend": True, "ttl_seconds_after_finished": run.spec.ttl_seconds_after_finished,
+    }) == run.spec
+    assert "suspend" not in yaml.safe_load(text)["spec"]
+
+
+def test_trainer_statefulset_for_torchrun():
+    run = run_of("moe-expert-parallel.yaml")
+    sts = trainer.build_statefulset(run)
+    spec = sts["spec"]
+    assert spec["replicas"] == run.spec.trainer.replicas
+    assert spec["podManagementPolicy"] == "Parallel"
+    assert spec["serviceName"] == trainer.build_service(run)["metadata"]["name"]
+    pod = spec["template"]["spec"]
+    c = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["ASYNCGRPO_NNODES"] == str(run.spec.trainer.replicas)
+    assert env["ASYNCGRPO_NPROC"] == str(run.spec.trainer.gpus_per_replica)
+    assert env["ASYNCGRPO_WORLD_SIZE"] == str(run.world_size)
+    assert env["ASYNCGRPO_MASTER_ADDR"] == f"{run.metadata.name}-trainer-0.{run.metadata.name}-trainer"
+    assert env["ASYNCGRPO_VLLM_URL"] == f"http://{run.metadata.name}-vllm:8000"
+    assert "${HOSTNAME##*-}" in c["command"][2]
+    gpus = run.spec.trainer.gpus_per_replica
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
+    assert {"containerPort": run.spec.trainer.metrics_port, "name": "metrics"} in c["ports"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsUser"] == RUN_AS_USER
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    svc = trainer.build_service(run)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+
+
+def test_trainer_waits_and_suspends_at_zero():
+    run = run_of()
+    assert trainer.build_statefulset(run, replicas=0)["spec"]["replicas"] == 0
+    objs = {(o["kind"], o["metadata"]["name"]): o
+            for o in build_children(run, stopped=True)}
+    for key in (("StatefulSet", "coder-agent-trainer"), ("Deployment", "coder-agent-vllm"),
+                ("Deployment", "coder-agent-gateway")):
+        assert objs[key]["spec"]["replicas"] == 0
+
+
+def test_user_env_wins_and_credentials_come_from_the_secret():
+    run = run_of(**{"spec.trainer.env": [{"name": "ASYNCGRPO_RESUME", "value": "never"}]})
+    env = trainer.build_statefulset(run)["spec"]["template"]["spec"]["containers"][0]["env"]
+    resume = [e for e in env if e["name"] == "ASYNCGRPO_RESUME"]
+    assert resume == [{"name": "ASYNCGRPO_RESUME", "value": "never"}]
+    key = next(e for e in env if e["name"] == "AWS_SECRET_ACCESS_KEY")
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "s3-credentials",
+                                                "key": "AWS_SECRET_ACCESS_KEY"}
+
+
+def test_vllm_serves_lora_from_the_bucket():
+    run = run_of("lora-math.yaml")
+    dep = vllm.build_deployment(run)
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    args = c["args"]
+    assert args[args.index("--max-lora-rank") + 1] == str(run.spec.rollout.max_lora_rank)
+    assert args[args.index("--max-loras") + 1] == str(run.spec.rollout.max_loras)
+    assert args[args.index("--max-model-len") + 1] == str(run.spec.rollout.max_model_len)
+    assert "--enable-lora" in args
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert env["ASYNCGRPO_ADAPTER_BUCKET"] == run.spec.adapter_store.bucket
+    assert env["ASYNCGRPO_ADAPTER_PREFIX"] == run.spec.adapter_store.prefix
+    assert env["ASYNCGRPO_ADAPTER_ENDPOINT"] == run.spec.adapter_store.endpoint
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert dep["spec"]["replicas"] == run.spec.rollout.replicas
+
+
+def test_full_finetuning_uses_weight_transfer_not_lora():
+    run = run_of("full-finetune.yaml")
+    c = vllm.build_deployment(run)["spec"]["template"]["spec"]["containers"][0]
+    assert "--enable-lora" not in c["args"]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
+
+
+def test_sandbox_pod_is_locked_down():
+    run = run_of()
+    pod = sandboxes.build_pod(run, "ab12")
+    spec = pod["spec"]
+    assert pod["metadata"]["name"] == "coder-agent-sandbox-ab12"
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["enableServiceLinks"] is False
+    assert spec["runtimeClassName"] == "gvisor"
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    c = spec["containers"][0]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    token = next(e for e in c["env"] if e["name"] == "ASYNCGRPO_SANDBOX_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"]["name"] == secret.secret_name(run)
+    # one hash per template: two pods of one spec share it; a new image changes it
+    assert h(pod) == h(sandboxes.build_pod(run, "zz99")) == sandboxes.current_hash(run)
+    assert sandboxes.current_hash(run_of(**{"spec.sandboxes.image": "x:2"})) != h(pod)
+
+
+def test_gateway_watches_only_its_run_and_reads_tokens_from_env():
+    run = run_of()
+    c = gateway.build_deployment(run)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["ASYNCGRPO_GATEWAY_SELECTOR"]["value"] == (
+        "app.kubernetes.io/name=asyncgrpo,app.kubernetes.io/instance=coder-agent,"
+        "app.kubernetes.io/component=sandbox")
+    assert "valueFrom" in env["ASYNCGRPO_GATEWAY_TOKEN"]
+    assert not any("token" in a.lower() for a in c["command"])
+
+
+def test_rbac_least_privilege():
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in rbac.build_rbac(run_of())}
+    role = objs[("Role", "coder-agent-gateway")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                              "verbs": ["get", "list", "watch"]}]
+    assert objs[("ServiceAccount", "coder-agent-sandbox")]["automountServiceAccountToken"] is False
+    assert objs[("ServiceAccount", "coder-agent-workload")]["automountServiceAccountToken"] is False
+    single = rbac.build_rbac(run_of("lora-math.yaml"))
+    assert [o["kind"] for o in single] == ["ServiceAccount"]
+
+
+def test_network_policies():
+    run = run_of()
+    pols = {p["metadata"]["name"]: p["spec"] for p in network.build_policies(
+        run, resolved_hosts=["93.184.216.34", "2606:2800:220:1::1", "93.184.216.34"])}
+    sb = pols["coder-agent-sandbox"]
+    assert sb["policyTypes"] == ["Ingress", "Egress"]
+    assert sb["ingress"][0]["from"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "gateway"
+    cidrs = [t["ipBlock"]["cidr"] for t in sb["egress"][0]["to"]]
+    assert cidrs == sorted({"10.20.0.0/16", "93.184.216.34/32", "2606:2800:220:1::1/128"})
+    assert sb["egress"][1]["to"] == [network.KUBE_DNS_PEER]   # hosts listed: DNS opened
+    vllm_rules = pols["coder-agent-vllm"]["ingress"]
+    assert vllm_rules[0]["from"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "trainer"
+    assert vllm_rules[1]["from"] == network.DEFAULT_SCRAPERS
+
+    closed = run_of(**{"spec.sandboxes.network": {}})
+    sb = next(p for p in network.build_policies(closed) if p["metadata"]["name"].endswith(
+        "sandbox"))["spec"]
+    assert sb["egress"] == []   # no allow-list: all egress denied, not even DNS
+
+
+def test_hashes_move_only_with_what_a_child_reads():
+    base = run_of()
+    sts = trainer.build_statefulset(base)
+    template = sts["spec"]["template"]["metadata"]["annotations"]
+    # a pool-size change does not roll the trainer nor vLLM
+    bigger = run_of(**{"spec.sandboxes.max": 100})
+    assert trainer.build_statefulset(bigger)["spec"]["template"]["metadata"][
+        "annotations"] == template
+    assert h(vllm.build_deployment(bigger)) == h(vllm.build_deployment(base))
+    # a learning-rate change rolls the trainer but not vLLM
+    lr = run_of(**{"spec.trainer.learningRate": 3e-5})
+    assert trainer.build_statefulset(lr)["spec"]["template"]["metadata"][
+        "annotations"] != template
+    assert h(vllm.build_deployment(lr)) == h(vllm.build_deployment(base))
+    # suspending changes replicas only
+    assert configmap.build_config_map(run_of(**{"spec.suspend": True})) == \
+        configmap.build_config_map(base)
+
+
+def test_token_secret_is_random_per_build():
+    a, b = secret.build_secret(run_of()), secret.build_secret(run_of())
+    assert a["stringData"]["gateway-token"] != b["stringData"]["gateway-token"]
+    assert len(a["stringData"]["sandbox-token"]) >= 40

@@ -1,0 +1,105 @@
+"""Pool planning and create-expectations, with a stale cache played by hand."""
+
+from __future__ import annotations
+
+from asyncgrpo.api.v1alpha1 import SandboxSpec
+from asyncgrpo.controller.pool import Demand, Expectations, PodView, plan
+
+SPEC = SandboxSpec(min_warm=2, max=20, hard_cap=25, idle_ttl_seconds=60)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def pods(*names, **kw):
+    return [PodView(name=n, phase="Running", ready=True, **kw) for n in names]
+
+
+def test_without_a_signal_the_pool_grows_to_min_warm_and_never_shrinks():
+    assert plan(SPEC, [], set(), set(), None, 0).create == 2
+    p = plan(SPEC, pods(*"abcdef"), set(), set(), None, excess_for=10_000)
+    assert (p.create, p.delete) == (0, [])
+
+
+def test_demand_sizes_the_pool_within_max_and_step():
+    d = Demand(busy=2, waiting=30, members={"a": "busy", "b": "busy"})
+    assert plan(SPEC, pods("a", "b"), set(), set(), d, 0).create == 18          # max 20
+    assert plan(SPEC, pods("a", "b"), set(), set(), d, 0, max_step=5).create == 5
+
+
+def test_a_stale_cache_never_over_creates():
+    """Tick 1 creates 10; the cache still shows 2 on tick 2: expectations count the 10."""
+    clock = Clock()
+    exp = Expectations(ttl=300, clock=clock)
+    d = Demand(busy=2, waiting=8, members={"a": "busy", "b": "busy"})
+    cache = pods("a", "b")
+    adds, dels = exp.observe("r", [p.name for p in cache])
+    first = plan(SPEC, cache, adds, dels, d, 0)
+    assert first.create == 10
+    for i in range(first.create):
+        exp.expect_create("r", f"new-{i}")
+    clock.t = 1
+    adds, dels = exp.observe("r", [p.name for p in cache])    # the watch has not caught up
+    assert plan(SPEC, cache, adds, dels, d, 0).create == 0
+    cache += [PodView(name=f"new-{i}") for i in range(4)]     # partly caught up
+    adds, dels = exp.observe("r", [p.name for p in cache])
+    assert len(adds) == 6
+    assert plan(SPEC, cache, adds, dels, d, 0).create == 0
+
+
+def test_expectations_expire_so_a_lost_event_cannot_freeze_the_pool():
+    clock = Clock()
+    exp = Expectations(ttl=300, clock=clock)
+    exp.expect_create("r", "ghost")
+    assert exp.observe("r", []) == ({"ghost"}, set())
+    clock.t = 301
+    assert exp.observe("r", []) == (set(), set())
+
+
+def test_deletions_are_expected_until_the_cache_drops_them():
+    exp = Expectations()
+    exp.expect_delete("r", "a")
+    assert exp.observe("r", ["a", "b"]) == (set(), {"a"})
+    assert exp.observe("r", ["b"]) == (set(), set())
+
+
+def test_scale_down_waits_for_idle_ttl_then_removes_idle_pods_only():
+    live = pods("busy1", "busy2", "w1", "w2", "w3", "w4", "w5", "w6")
+    d = Demand(busy=2, members={"busy1": "busy", "busy2": "busy", **{
+        f"w{i}": "warm" for i in range(1, 7)}})
+    assert plan(SPEC, live, set(), set(), d, excess_for=59).delete == []
+    victims = plan(SPEC, live, set(), set(), d, excess_for=60).delete
+    assert len(victims) == 4 and not {"busy1", "busy2"} & set(victims)
+
+
+def test_failed_pods_are_kept_counted_and_go_first():
+    live = pods("ok1", "ok2") + [PodView(name="bad", phase="Failed", failed=True)]
+    d = Demand(busy=0, members={"ok1": "warm", "ok2": "warm"})
+    p = plan(SPEC, live, set(), set(), d, excess_for=0)
+    assert (p.create, p.replace) == (0, [])                # not replaced in a loop
+    p = plan(SandboxSpec(min_warm=2, max=20, idle_ttl_seconds=0), live, set(), set(), d, 0)
+    assert p.delete == ["bad"]                             # first to go on shrink
+
+
+def test_gateway_unhealthy_pods_are_replaced():
+    live = pods("a", "b")
+    d = Demand(busy=0, members={"a": "warm", "b": "unhealthy"})
+    p = plan(SPEC, live, set(), set(), d, 0)
+    assert p.replace == ["b"] and p.create == 1
+
+
+def test_hard_cap_is_never_crossed():
+    spec = SandboxSpec(min_warm=0, max=10, hard_cap=10)
+    d = Demand(busy=10, waiting=50)
+    p = plan(spec, pods(*[f"p{i}" for i in range(8)]), {"x1"}, set(), d, 0)
+    assert p.create == 1
+
+
+def test_suspend_deletes_every_pod():
+    p = plan(SPEC, pods("a", "b"), set(), set(), Demand(busy=2), 0, suspended=True)
+    assert p.replace == ["a", "b"] and p.create == 0

@@ -1,0 +1,134 @@
+"""Status computation: phases, condition reasons, transition times and events."""
+
+from __future__ import annotations
+
+from asyncgrpo.api.validation import FieldError
+from asyncgrpo.controller.bucket import BucketError
+from asyncgrpo.controller.observe import Child, summarize
+from asyncgrpo.controller.progress import Progress, parse
+from asyncgrpo.controller.status import Observation, compute
+from tests.operator.test_builders import run_of
+
+SPEC = run_of("lora-math.yaml").spec
+
+
+def workload(component, ready, replicas=1, kind="Deployment"):
+    return Child(kind=kind, name=f"r-{component}", component=component, hash="h",
+                 replicas=replicas, ready_replicas=ready)
+
+
+def conds(status):
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def running_obs(**kw):
+    return Observation(generation=3, bucket_checked=True, children=[
+        workload("vllm", 2, 2), workload("trainer", 1, kind="StatefulSet")], **kw)
+
+
+def test_running_when_every_part_is_ready():
+    status, events = compute(SPEC, running_obs(), {}, "T1")
+    c = conds(status)
+    assert status["phase"] == "Running" and status["startTime"] == "T1"
+    assert c["RolloutReady"]["status"] == "True"
+    assert c["TrainerReady"]["status"] == "True"
+    assert c["Degraded"] == {**c["Degraded"], "status": "False", "reason": "AsExpected"}
+    assert all(x["observedGeneration"] == 3 for x in status["conditions"])
+    assert ("Normal", "Running") in {(e.type, e.reason) for e in events}
+
+
+def test_unchanged_observation_gives_identical_status_and_no_events():
+    first, _ = compute(SPEC, running_obs(), {}, "T1")
+    again, events = compute(SPEC, running_obs(), first, "T2")
+    assert {k: v for k, v in again.items() if k != "startTime"} == \
+        {k: v for k, v in first.items() if k != "startTime"}
+    assert events == []
+    assert all(c["lastTransitionTime"] == "T1" for c in again["conditions"])
+
+
+def test_invalid_spec_keeps_the_phase_and_says_which_field():
+    obs = Observation(generation=1, spec_errors=[FieldError("spec.model.lora.rank", "too big")])
+    status, events = compute(None, obs, {"phase": "Running"}, "T")
+    c = conds(status)
+    assert status["phase"] == "Running"
+    assert c["Degraded"]["reason"] == "InvalidSpec"
+    assert "spec.model.lora.rank" in c["Degraded"]["message"]
+    assert any(e.type == "Warning" and e.reason == "InvalidSpec" for e in events)
+
+
+def test_bucket_errors_hold_the_run_pending():
+    obs = running_obs(bucket_error=BucketError("SecretNotFound", "Secret 's' missing"))
+    status, _ = compute(SPEC, obs, {}, "T")
+    assert status["phase"] == "Pending"
+    assert conds(status)["BucketReady"]["reason"] == "SecretNotFound"
+    assert conds(status)["Degraded"]["reason"] == "SecretNotFound"
+
+
+def test_stuck_pods_name_the_reason():
+    pod = summarize({"kind": "Pod", "metadata": {"name": "r-vllm-x", "labels": {
+        "app.kubernetes.io/component": "vllm"}}, "status": {"phase": "Pending",
+        "containerStatuses": [{"restartCount": 0, "state": {"waiting": {
+            "reason": "ImagePullBackOff", "message": "pull access denied"}}}]}})
+    unsched = summarize({"kind": "Pod", "metadata": {"name": "r-trainer-0", "labels": {
+        "app.kubernetes.io/component": "trainer"}}, "status": {"phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                        "message": "Insufficient nvidia.com/gpu"}]}})
+    obs = Observation(generation=1, bucket_checked=True, children=[
+        workload("vllm", 0, 2), workload("trainer", 0, kind="StatefulSet"), pod, unsched])
+    c = conds(compute(SPEC, obs, {}, "T")[0])
+    assert (c["RolloutReady"]["reason"], c["RolloutReady"]["message"]) == (
+        "ImagePullBackOff", "pod r-vllm-x: pull access denied")
+    assert c["TrainerReady"]["reason"] == "Unschedulable"
+    assert "nvidia.com/gpu" in c["TrainerReady"]["message"]
+
+
+def test_succeeded_at_total_steps_and_stays_terminal():
+    obs = running_obs(progress=Progress(step=SPEC.trainer.total_steps, policy_version=9))
+    status, events = compute(SPEC, obs, {"phase": "Running"}, "T")
+    assert status["phase"] == "Succeeded" and status["completionTime"] == "T"
+    later, _ = compute(SPEC, running_obs(), status, "T2")
+    assert later["phase"] == "Succeeded"
+    assert conds(later)["Progressing"]["reason"] == "Succeeded"
+
+
+def test_trainer_crash_loop_fails_the_run():
+    crash = Child(kind="Pod", name="r-trainer-0", component="trainer", hash=None,
+                  phase="Running", exit_codes=(1,), restarts=6, problem="CrashLoopBackOff")
+    obs = running_obs()
+    obs.children.append(crash)
+    status, events = compute(SPEC, obs, {"phase": "Running"}, "T")
+    assert status["phase"] == "Failed"
+    assert ("Warning", "Failed") in {(e.type, e.reason) for e in events}
+
+
+def test_suspended():
+    spec = SPEC.model_copy(update={"suspend": True})
+    status, _ = compute(spec, running_obs(), {"phase": "Running"}, "T")
+    assert status["phase"] == "Suspended"
+    assert conds(status)["RolloutReady"]["reason"] == "Suspended"
+
+
+def test_trainer_metrics_are_mirrored():
+    p = parse("# HELP x\nasyncgrpo_trainer_step 12\nasyncgrpo_trainer_policy_version 4\n"
+              "asyncgrpo_trainer_served_policy_version 3\n"
+              "asyncgrpo_trainer_unique_tokens_per_second 10.5\nother_metric 1\n")
+    status, _ = compute(SPEC, running_obs(progress=p), {}, "T")
+    assert status["step"] == 12 and status["policyVersion"] == 4
+    assert status["throughput"] == {"uniqueTokensPerSecond": 10.5}
+    assert conds(status)["AdapterInSync"]["reason"] == "Lagging"
+
+
+def test_sandbox_conditions():
+    spec = run_of().spec
+    children = [workload("vllm", 2, 2), workload("gateway", 1),
+                workload("trainer", 1, kind="StatefulSet")]
+    obs = Observation(generation=1, bucket_checked=True, children=children,
+                      sandboxes={"warm": 1, "busy": 0, "starting": 15, "failed": 0})
+    assert conds(compute(spec, obs, {}, "T")[0])["SandboxesReady"]["reason"] == \
+        "SandboxesStarting"
+    obs.sandboxes = {"warm": 16, "busy": 0, "starting": 0, "failed": 2}
+    c = conds(compute(spec, obs, {}, "T")[0])["SandboxesReady"]
+    assert c["reason"] == "SandboxesFailed" and "2 sandbox pods failed" in c["message"]
+    obs.pool_error = ("Forbidden", 'RuntimeClass "gvisor" not found')
+    c = conds(compute(spec, obs, {}, "T")[0])["SandboxesReady"]
+    assert c["reason"] == "SandboxCreateFailed" and "gvisor" in c["message"]

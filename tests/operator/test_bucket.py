@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -37,13 +38,14 @@ def test_delete_run_objects_touches_only_that_run(s3_server):
     st = store(s3_server, prefix="team/x")
     bucket.ensure_bucket(st, creds(s3_server))
     s3 = s3_server.client()
-    keys = [f"team/x/run-a/adapters/v{i}/f" for i in range(1200)] + [
+    # more than one page (1000 keys) of the run's objects
+    keys = [f"team/x/run-a/adapters/v{i}/f" for i in range(1001)] + [
         "team/x/run-ab/adapters/v1/f", "team/x/run-b/adapters/v1/f", "other/run-a/f"]
-    for k in keys:
-        s3.put_object(Bucket=st.bucket, Key=k, Body=b"1")
-    assert bucket.delete_run_objects(st, creds(s3_server), "run-a") == 1200
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket=st.bucket, Key=k, Body=b"1"), keys))
+    assert bucket.delete_run_objects(st, creds(s3_server), "run-a") == 1001
     left = {o["Key"] for o in s3.list_objects_v2(Bucket=st.bucket)["Contents"]}
-    assert left == set(keys[1200:])
+    assert left == set(keys[1001:])
     assert bucket.delete_run_objects(st, creds(s3_server), "run-a") == 0
 
 

@@ -26,7 +26,7 @@ def all_warm(gw, n: int) -> None:
 @pytest.fixture
 def one_sandbox(tmp_path):
     sb = start_sandbox(tmp_path, "solo")
-    gw = start_gateway(tmp_path, [sb.url], "--lease-ttl-seconds", "2", "--health-interval-seconds", "0.3")
+    gw = start_gateway(tmp_path, [sb.url], "--lease-ttl-seconds", "3", "--health-interval-seconds", "0.3")
     all_warm(gw, 1)
     yield gw, sb
     gw.stop()
@@ -87,7 +87,7 @@ import sys, time
 from asyncgrpo.sandbox.client import GatewayClient, Heartbeats
 c = GatewayClient(sys.argv[1], sys.argv[2])
 lease = c.lease("crashy-group")
-Heartbeats.for_client(c, 0.3).add(lease.lease_id)
+Heartbeats.for_client(c, 0.2).add(lease.lease_id)
 c.exec(lease.lease_id, "echo hi > proof.txt")
 print(lease.lease_id, flush=True)
 time.sleep(3600)
@@ -104,9 +104,9 @@ def test_a_killed_rollouts_lease_expires_and_the_sandbox_comes_back(one_sandbox)
         with gw_client(gw) as c:
             pool = c.get("/v1/pool").json()
             assert [lease["lease_id"] for lease in pool["leases"]] == [lease_id]
-            for _ in range(3):
+            for _ in range(4):
                 before = demand(gw)["leases_active"]
-                threading.Event().wait(1.0)  # 3 s in all: more than the 2 s TTL
+                threading.Event().wait(1.0)  # 4 s in all: more than the 3 s TTL
                 assert before == demand(gw)["leases_active"] == 1
         proc.kill()
         proc.wait()

@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from asyncgrpo.testing.net import free_port, wait_for_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
 class S3Server:
@@ -67,7 +49,7 @@ class S3Server:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "w")
+    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "w")  # noqa: SIM115 (moto writes it)
     moto = Path(sys.executable).parent / "moto_server"
     proc = subprocess.Popen(
         [str(moto), "-H", "127.0.0.1", "-p", str(port)],
@@ -116,7 +98,7 @@ def kube_client(kube_cluster):
     import warnings
 
     import urllib3
-    from kubernetes import client, config
+    from kubernetes import config
 
     warnings.filterwarnings("ignore", category=urllib3.exceptions.InsecureRequestWarning)
     urllib3.disable_warnings()

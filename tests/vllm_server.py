@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -44,11 +43,7 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from asyncgrpo.testing.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 #: Bucket the shared server's resolver reads; tests publish into it.

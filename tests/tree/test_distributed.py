@@ -1,20 +1,15 @@
 """Two FSDP2 ranks (torchrun, gloo on CPU) training their tree rows equal one process training unpacked."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from asyncgrpo.testing.net import free_port
+
 WORKER = Path(__file__).with_name("fsdp_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -57,9 +57,9 @@ def reference_markdown() -> str:
     out = [
         "# AsyncGRPORun field reference",
         "",
-        "Generated from `asyncgrpo.api` (`python -m asyncgrpo.api.reference > "
-        "docs/api-reference.md`); do not edit. Cross-field rules are listed in "
-        "[api.md](api.md).",
+        ("Generated from `asyncgrpo.api` (`python -m asyncgrpo.api.reference > "
+         "docs/api-reference.md`); do not edit. Cross-field rules are listed in "
+         "[api.md](api.md)."),
         "",
     ]
     for section in ("spec", "status"):

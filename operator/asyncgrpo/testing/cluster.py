@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -27,6 +26,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
+
+from asyncgrpo.testing.net import free_port
 
 ADMIN_TOKEN = "asyncgrpo-test-admin-token"
 SERVICE_CIDR = "10.96.0.0/16"
@@ -60,12 +62,6 @@ def find_binaries() -> dict[str, Path]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class TestCluster:
     """One control plane; use as a context manager or call start()/stop()."""
@@ -83,7 +79,7 @@ class TestCluster:
     def kubeconfig(self) -> Path:
         return self.workdir / "kubeconfig"
 
-    def __enter__(self) -> TestCluster:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -99,8 +95,8 @@ class TestCluster:
         self._make_keys(pki)
         (self.workdir / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n')
 
-        etcd_port, etcd_peer = _free_port(), _free_port()
-        self.api_port = _free_port()
+        etcd_port, etcd_peer = free_port(), free_port()
+        self.api_port = free_port()
         self._spawn("etcd", [
             str(bins["etcd"]),
             "--data-dir", str(self.workdir / "etcd"),
@@ -155,7 +151,7 @@ class TestCluster:
                         "-out", str(pki / "sa.pub")], check=True, capture_output=True)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self.workdir / f"{name}.log", "ab")
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (the child owns it)
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **(env or {})},
@@ -194,7 +190,7 @@ class TestCluster:
                 with urllib.request.urlopen(req, context=ctx, timeout=2) as resp:
                     if resp.status == 200:
                         return
-            except Exception as e:  # not up yet
+            except (OSError, ssl.SSLError) as e:  # not up yet (URLError is an OSError)
                 last = str(e)
             time.sleep(0.25)
         self.stop()

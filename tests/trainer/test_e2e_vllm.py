@@ -259,3 +259,49 @@ def test_lora_training_through_the_bucket_with_refusal_and_restart(
             status, body = vllm_server.completion(f"{run}/policy-v{v}", prompt=[1, 2, 3],
                                                   max_tokens=1)
             assert status == 200, (v, body)
+
+
+def test_two_rank_fsdp2_trainer_trains_and_resumes(vllm_server, s3_server, cores, tmp_path):
+    """`torchrun --nproc_per_node 2`: the LoRA policy on an FSDP2-sharded base, adapters
+    through the bucket; a second torchrun resumes from the bucket's checkpoint with the
+    exact adapter (its first version probes identically to the checkpointed one)."""
+    run = f"fsdp-{uuid.uuid4().hex[:8]}"
+    config = _write_run(tmp_path, vllm_server, s3_server, run)
+    doc = yaml.safe_load(config.read_text())
+    doc["spec"]["trainer"].update(totalSteps=3, checkpointInterval=3)
+    config.write_text(yaml.safe_dump(doc))
+    bin_dir = Path(sys.executable).parent
+
+    def torchrun(work: Path, log: Path, steps: int) -> dict:
+        env = _env(vllm_server, s3_server, run, work, free_port())
+        doc["spec"]["trainer"]["totalSteps"] = steps
+        config.write_text(yaml.safe_dump(doc))
+        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", "-m", "asyncgrpo.cli", "trainer",
+               "--config", str(config)]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        if cores:
+            _pin(proc.pid, cores)
+        try:
+            rc = proc.wait(timeout=DEADLINE_S)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        assert rc == 0, _tail(log)
+        return _status(work)
+
+    first = torchrun(tmp_path / "a", tmp_path / "a.log", 3)
+    assert first["step"] == 3 and first["resumed_from_step"] is None
+    second = torchrun(tmp_path / "b", tmp_path / "b.log", 5)
+    assert second["resumed_from_step"] == 3 and second["step"] == 5
+    versions = sorted(_manifests(s3_server.client(), vllm_server.bucket, run))
+    assert versions == list(range(1, 1 + 4 + 3))  # v1 + 3 steps, then v5 (resume) + 2 steps
+    last_before, first_after = first["published"][-1], second["published"][0]
+    assert first_after["version"] == last_before["version"] + 1
+    assert first_after["logprob_max_diff"] == pytest.approx(last_before["logprob_max_diff"],
+                                                            abs=1e-6)
+    for p in first["published"] + second["published"]:
+        assert p["served"] and p["logprob_max_diff"] <= PROBE_TOLERANCE, p

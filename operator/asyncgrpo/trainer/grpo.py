@@ -319,6 +319,31 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
 
     # -- checkpoints ---------------------------------------------------------------------
 
+    def _save_replicated_optimizer(self, out: Path) -> None:
+        """Optimizer, scheduler and RNG state for a model sharded at load time.
+
+        transformers refuses to checkpoint optimizer state of such a model (it would be
+        DTensors on several meshes), so the trainer runs with `save_only_model`. A LoRA
+        adapter added after sharding is replicated on every rank, so its optimizer state is
+        plain tensors: rank 0 writes it under the names the Trainer loads on resume. Full
+        fine-tuning under FSDP2 resumes without optimizer state (warned).
+        """
+        import torch
+        from torch.distributed.tensor import DTensor
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if any(isinstance(p, DTensor) for p in params):
+            log.warning("checkpoint %s: optimizer state of sharded parameters is not saved; a "
+                        "resume restarts Adam's moments", out.name)
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        if self.accelerator.is_main_process:
+            torch.save(self.optimizer.state_dict(), out / OPTIMIZER_NAME)
+            torch.save(self.lr_scheduler.state_dict(), out / SCHEDULER_NAME)
+        self._save_rng_state(str(out))
+        self.accelerator.wait_for_everyone()
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)  # local dir: weights/adapter, optimizer, rollout state
         if self._checkpoints is None:
@@ -327,6 +352,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
 
         step = int(self.state.global_step)
         local = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        if self.args.save_only_model:
+            self._save_replicated_optimizer(local)
         t0 = time.time()
         self._checkpoints.upload(local, step, rank=self.accelerator.process_index,
                                  is_main=self.accelerator.is_main_process,

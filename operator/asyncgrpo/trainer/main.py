@@ -61,7 +61,9 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
         save_strategy="steps",
         save_steps=t.checkpoint_interval,
         save_total_limit=1,
-        save_only_model=False,
+        # A model sharded at load time (more than one rank) cannot go through the Trainer's
+        # optimizer checkpointing; S3AdapterGRPOTrainer saves a LoRA's optimizer itself.
+        save_only_model=world > 1,
         logging_steps=1,
         report_to=[],
         disable_tqdm=True,

@@ -166,6 +166,8 @@ def tmp_volume(name: str = "tmp", medium: str | None = None,
 
 def service(run: AsyncGRPORun, component: str, ports: list[dict[str, Any]],
             headless: bool = False) -> dict[str, Any]:
+    # protocol spelled out: server-side apply on 1.20 needs every key of the port list
+    ports = [{"protocol": "TCP", **p} for p in ports]
     spec: dict[str, Any] = {"selector": selector(run, component), "ports": ports}
     if headless:
         # torchrun's rendezvous resolves peers before they are Ready

@@ -73,9 +73,27 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     """In a pod: its service account; elsewhere: KUBECONFIG, read now (not at import)."""
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    path = runtime(memo).settings.kubeconfig if getattr(memo, "runtime", None) else None
+    if path:
+        return _kubeconfig_token_login(path)
+    return kopf.login_with_service_account(memo=memo, **kwargs) or \
+        kopf.login_with_kubeconfig(memo=memo, **kwargs)
+
+
+def _kubeconfig_token_login(path: str) -> kopf.ConnectionInfo:
+    import yaml
+
+    doc = yaml.safe_load(open(path))
+    ctx_name = doc.get("current-context")
+    ctx = next(c["context"] for c in doc["contexts"] if c["name"] == ctx_name)
+    cluster = next(c["cluster"] for c in doc["clusters"] if c["name"] == ctx["cluster"])
+    user = next(u["user"] for u in doc["users"] if u["name"] == ctx["user"])
+    return kopf.ConnectionInfo(server=cluster["server"], token=user.get("token"),
+                               insecure=bool(cluster.get("insecure-skip-tls-verify")),
+                               ca_path=cluster.get("certificate-authority"),
+                               default_namespace=ctx.get("namespace"))
 
 
 def make_kube(rt: Runtime):
@@ -83,12 +101,15 @@ def make_kube(rt: Runtime):
 
     from asyncgrpo.controller.kube import Kube
 
-    try:
-        config.load_incluster_config()
-        api = client.ApiClient()
-    except config.ConfigException:
-        # read KUBECONFIG now: the client library reads it once, at its import
-        api = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+    if rt.settings.kubeconfig:
+        api = config.new_client_from_config(config_file=rt.settings.kubeconfig)
+    else:
+        try:
+            config.load_incluster_config()
+            api = client.ApiClient()
+        except config.ConfigException:
+            # read KUBECONFIG now: the client library reads it once, at its import
+            api = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
     return Kube(api, on_write=lambda verb, kind: rt.metrics.api_writes.labels(verb, kind).inc())
 
 

@@ -31,6 +31,9 @@ class Settings:
     dns_refresh_seconds: float = 60.0
     #: Most sandbox pods created or deleted per run in one reconcile.
     pool_max_step: int = 64
+    #: Kubeconfig to use instead of the pod's service account or $KUBECONFIG (tests run the
+    #: operator as the chart's service account this way).
+    kubeconfig: str | None = None
     #: Test hook: delay every pod event this long before the operator sees it.
     pod_watch_delay_seconds: float = 0.0
 

@@ -1,0 +1,57 @@
+{{- define "asyncgrpo.name" -}}asyncgrpo-operator{{- end -}}
+
+{{- define "asyncgrpo.fullname" -}}
+{{- if contains "asyncgrpo" .Release.Name -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-asyncgrpo-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "asyncgrpo.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "asyncgrpo.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "asyncgrpo.labels" -}}
+{{ include "asyncgrpo.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: asyncgrpo
+app.kubernetes.io/component: operator
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The operator's permissions; the same rules for a ClusterRole or per-namespace Roles. */}}
+{{- define "asyncgrpo.rules" -}}
+- apiGroups: [asyncgrpo.dev]
+  resources: [asyncgrporuns]
+  verbs: [get, list, watch, patch, delete]
+- apiGroups: [asyncgrpo.dev]
+  resources: [asyncgrporuns/status]
+  verbs: [get, patch]
+- apiGroups: [asyncgrpo.dev]
+  resources: [asyncgrporuns/finalizers]
+  verbs: [update]
+- apiGroups: [""]
+  resources: [pods, configmaps, services, serviceaccounts]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [apps]
+  resources: [deployments, statefulsets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end -}}

@@ -1,0 +1,171 @@
+"""The Helm chart: CRDs equal to the generated ones, renders with a real helm, applies with
+server-side dry-run to the test cluster, alert rules pass promtool, the dashboard reads
+only metrics the operator exports, and the operator runs on exactly the RBAC it grants."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.operator.conftest import operator_settings
+from tests.operator.helpers import component, kubelet, make_run, s3_secret, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "asyncgrpo"
+BIN = Path.home() / ".cache" / "asyncgrpo" / "bin"
+HELM = BIN / "helm"
+KUBECTL = BIN / "kubectl" if (BIN / "kubectl").exists() else Path(shutil.which("kubectl") or "")
+
+needs_helm = pytest.mark.skipif(not HELM.exists(), reason="run hack/get-helm.sh for helm")
+
+
+def helm_template(*sets: str, namespace: str = "asyncgrpo-system") -> list[dict]:
+    args = [str(HELM), "template", "asyncgrpo", str(CHART), "--namespace", namespace]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_chart_crd_is_the_generated_one():
+    assert (CHART / "crds" / "asyncgrpo.dev_asyncgrporuns.yaml").read_text() == \
+        (REPO / "crds" / "asyncgrpo.dev_asyncgrporuns.yaml").read_text()
+
+
+def test_alert_rules_pass_promtool():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    r = subprocess.run([promtool, "check", "rules", str(CHART / "files" / "alerts.yaml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dashboard_reads_only_exported_metrics():
+    from asyncgrpo.controller.metrics import OperatorMetrics
+    from asyncgrpo.controller.progress import METRICS
+
+    names = {m.name for m in OperatorMetrics().registry.collect()}
+    exported = names | {f"{n}_total" for n in names} | {f"{n}_bucket" for n in names} | set(METRICS)
+    dash = json.loads((CHART / "files" / "dashboard.json").read_text())
+    import re
+    used = set()
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            used |= set(re.findall(r"\b(asyncgrpo_[a-z_]+)", t["expr"]))
+    assert used and used <= exported, used - exported
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for topic in ("throughput", "compression", "sandboxes", "policy lag"):
+        assert topic in titles
+
+
+@needs_helm
+def test_helm_lint_and_render():
+    r = subprocess.run([str(HELM), "lint", str(CHART)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    docs = helm_template("metrics.serviceMonitor.enabled=true",
+                         "metrics.prometheusRule.enabled=true", "metrics.dashboard.enabled=true")
+    by_kind = {d["kind"]: d for d in docs}
+    dep = by_kind["Deployment"]["spec"]["template"]["spec"]
+    assert dep["securityContext"]["runAsNonRoot"] is True
+    c = dep["containers"][0]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["ASYNCGRPO_OPERATOR_PEERING"] == "asyncgrpo"
+    assert env["ASYNCGRPO_OPERATOR_ALL_NAMESPACES"] == "true"
+    rule = by_kind["PrometheusRule"]["spec"]
+    assert rule == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    json.loads(by_kind["ConfigMap"]["data"]["asyncgrpo.json"])
+    # namespaced mode: Roles in the watched namespaces, nothing cluster-wide that writes
+    docs = helm_template("watchNamespaces={team-a,team-b}")
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    cluster_rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+    assert all(set(r["verbs"]) <= {"get", "list", "watch", "patch"} for r in cluster_rules)
+    assert all("patch" not in r["verbs"] or r["resources"] == ["clusterkopfpeerings"]
+               for r in cluster_rules)
+
+
+def kubectl(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(KUBECTL), *args], input=stdin, capture_output=True, text=True)
+
+
+@needs_helm
+@pytest.mark.cluster
+def test_rendered_chart_applies_with_server_side_dry_run(kube_cluster, api, crd_installed):
+    from kubernetes.client.exceptions import ApiException
+    try:
+        api.call("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace",
+                                                      "metadata": {"name": "asyncgrpo-system"}})
+    except ApiException as e:
+        assert e.status == 409
+    r = kubectl("apply", "--server-side", "-f", str(CHART / "crds" / "kopf-peering.yaml"))
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: kubectl("get", "crd", "clusterkopfpeerings.kopf.dev").returncode == 0)
+    time.sleep(1)
+    out = yaml.safe_dump_all(helm_template())
+    r = kubectl("apply", "--dry-run=server", "--server-side", "-f", "-", stdin=out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "deployment.apps/asyncgrpo-operator serverside-applied (server dry run)" in r.stdout
+
+
+@needs_helm
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_operator_runs_on_the_charts_rbac_alone(kube_cluster, api, crd_installed, peers,
+                                               s3_server, tmp_path):
+    """Install the chart's ServiceAccount and RBAC for real, then run the operator with that
+    account's token: any permission the chart forgot fails this test."""
+    from asyncgrpo.controller.embedded import EmbeddedOperator
+
+    rbac = [d for d in helm_template("peering.enabled=false")
+            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+    r = kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(rbac))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    def token():
+        sa = api.get("ServiceAccount", "asyncgrpo-system", "asyncgrpo-operator")
+        names = [s["name"] for s in sa.get("secrets") or []]
+        return names and api.get("Secret", "asyncgrpo-system", names[0])["data"].get("token")
+    import base64
+    tok = base64.b64decode(wait_for(token, what="service account token")).decode()
+    cfg = yaml.safe_load(kube_cluster.kubeconfig.read_text())
+    cfg["users"][0]["user"] = {"token": tok}
+    path = tmp_path / "operator-kubeconfig"
+    path.write_text(yaml.safe_dump(cfg))
+
+    ns = api.namespace("own")
+    api.create(s3_secret(s3_server, ns))
+    settings = operator_settings(peers)
+    settings.kubeconfig = str(path)
+    op = EmbeddedOperator([ns], settings).start()
+    try:
+        run = make_run(s3_server, ns, "rbac", "multi-turn-sandboxes.yaml")
+        run["spec"]["sandboxes"].pop("runtimeClassName")
+        run["spec"]["sandboxes"]["network"].pop("allowedEgressHosts")
+        run["spec"]["sandboxes"]["minWarm"] = 2
+        run["spec"]["adapterStore"]["deletionPolicy"] = "Delete"
+        api.create(run)
+        wait_for(lambda: len(api.list("Pod", ns, component("rbac", "sandbox"))) == 2,
+                 what="sandboxes created by the chart's account")
+        wait_for(lambda: api.get("RoleBinding", ns, "rbac-gateway"), what="gateway RBAC")
+        wait_for(lambda: kubelet(api, ns, component("rbac", "vllm")), what="vllm pods")
+        wait_for(lambda: kubelet(api, ns, component("rbac", "gateway")), what="gateway pod")
+        wait_for(lambda: api.get("StatefulSet", ns, "rbac-trainer")["spec"]["replicas"] == 1,
+                 what="trainer")
+        wait_for(lambda: kubelet(api, ns, component("rbac", "trainer")), what="trainer pod")
+        wait_for(lambda: api.run(ns, "rbac")["status"]["phase"] == "Running", what="Running")
+        assert any(e["reason"] == "Running" for e in api.events(ns, "rbac"))
+        api.delete("AsyncGRPORun", ns, "rbac")
+        wait_for(lambda: api.get("AsyncGRPORun", ns, "rbac") is None, what="finalized")
+        assert op.runtime.metrics.reconcile_errors._metrics == {}
+    finally:
+        op.stop()

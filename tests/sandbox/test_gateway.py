@@ -231,3 +231,33 @@ def test_an_exec_longer_than_the_gateway_allows_is_cut_by_the_sandbox_not_droppe
     finally:
         gw.stop()
         sb.stop()
+
+
+def test_a_waiting_group_takes_one_sandbox_and_waiters_are_served_in_order(one_sandbox):
+    gw, _ = one_sandbox
+    with gw_client(gw) as c:
+        holder = c.post("/v1/leases", json={"group_id": "first"}).json()
+        got: dict[str, list] = {"early": [], "late": []}
+
+        def ask(group: str) -> None:
+            r = c.post("/v1/leases", json={"group_id": group, "wait_seconds": 60})
+            got[group].append(r.json())
+
+        threads = [threading.Thread(target=ask, args=("early",)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: demand(gw)["waiting"] == 1, 10, what="the early group waiting (once)")
+        late = threading.Thread(target=ask, args=("late",))
+        late.start()
+        wait_until(lambda: demand(gw)["waiting"] == 2, 10, what="the late group waiting behind it")
+        c.delete(f"/v1/leases/{holder['lease_id']}")
+        for t in threads:
+            t.join(30)
+        early = got["early"]
+        assert len({g["lease_id"] for g in early}) == 1 and max(g["holders"] for g in early) == 3
+        assert sorted(g["joined"] for g in early) == [False, True, True]
+        assert got["late"] == [] and demand(gw)["waiting"] == 1  # still behind the early group
+        c.delete(f"/v1/leases/{early[0]['lease_id']}", params={"all": "true"})
+        late.join(30)
+        assert got["late"][0]["sandbox"] == holder["sandbox"]
+        c.delete(f"/v1/leases/{got['late'][0]['lease_id']}")

@@ -84,3 +84,11 @@ def test_sandbox_tests_reward_end_to_end(gateway):
     )
     assert rewards == [1.0, 0.5, 0.0, 0.0, None]
     wait_until(lambda: httpx.get(f"{gateway.url}/v1/demand").json()["leases_active"] == 0, 20, what="released")
+
+
+def test_without_a_sandbox_the_group_is_left_unscored(gateway):
+    with httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {GW_TOKEN}"}) as c:
+        held = c.post("/v1/leases", json={"group_id": "hog"}).json()
+        rewards = sandbox_tests(["```python\nx = 1\n```"] * 2, test_command="true", lease_wait_seconds=0.2)
+        assert rewards == [None, None]
+        c.delete(f"/v1/leases/{held['lease_id']}")

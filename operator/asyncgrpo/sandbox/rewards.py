@@ -15,11 +15,14 @@ completion in its own session of that sandbox, in parallel.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("asyncgrpo.sandbox.rewards")
 
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|xfailed|xpassed|skipped)\b")
 _PYTEST_SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?)\b.*\bin [\d.]+s")
@@ -111,8 +114,12 @@ def sandbox_tests(
     `test_command` and `files` come from the data set's columns (one per completion) or
     from the reward's `args` (same for all). A row without `test_command` gets None (not
     applicable). Needs ASYNCGRPO_GATEWAY_URL and ASYNCGRPO_GATEWAY_TOKEN (or `gateway_url`).
+
+    If no sandbox can be had (none free within the wait, or lost twice), the group's rewards
+    are None and a warning is logged: TRL then drops the group as unscorable instead of the
+    rollout worker dying on a passing infrastructure problem.
     """
-    from asyncgrpo.sandbox.client import GatewayClient, LeaseLost
+    from asyncgrpo.sandbox.client import GatewayClient, LeaseLost, SandboxError
 
     n = len(completions)
     commands = _per_row(test_command, n)
@@ -124,7 +131,11 @@ def sandbox_tests(
     client = GatewayClient(gateway_url)
     try:
         for attempt in range(2):  # one retry on a fresh sandbox if the first one is lost
-            lease = client.lease(f"reward-{uuid.uuid4().hex}", wait_seconds=lease_wait_seconds)
+            try:
+                lease = client.lease(f"reward-{uuid.uuid4().hex}", wait_seconds=lease_wait_seconds)
+            except SandboxError as err:
+                log.warning("sandbox_tests: no sandbox (%s); group left unscored", err)
+                return [None] * n
             try:
                 def run(i: int, lease_id: str = lease.lease_id) -> float:
                     session = f"t{i}"
@@ -143,7 +154,8 @@ def sandbox_tests(
                 return rewards
             except LeaseLost:
                 if attempt == 1:
-                    raise
+                    log.warning("sandbox_tests: sandbox lost twice; group left unscored")
+                    return [None] * n
             finally:
                 try:
                     client.release(lease.lease_id, all_holders=True)

@@ -261,3 +261,16 @@ def test_a_waiting_group_takes_one_sandbox_and_waiters_are_served_in_order(one_s
         late.join(30)
         assert got["late"][0]["sandbox"] == holder["sandbox"]
         c.delete(f"/v1/leases/{got['late'][0]['lease_id']}")
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--members", "foo"], {}, "not a sandbox base URL"),
+    ([], {}, "give --members"),
+    (["--members", "http://127.0.0.1:9"], {"ASYNCGRPO_GATEWAY_TOKEN": ""}, "no token"),
+])
+def test_gateway_refuses_to_start_misconfigured(args, env, message):
+    full = {**os.environ, "ASYNCGRPO_GATEWAY_TOKEN": "t", "ASYNCGRPO_SANDBOX_TOKEN": "s", **env}
+    full.pop("KUBECONFIG", None)
+    r = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "gateway", "--port", "1", *args], env=full,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode != 0 and message in r.stderr

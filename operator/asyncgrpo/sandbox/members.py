@@ -133,7 +133,10 @@ class KubernetesPodWatch:
 
 def member_source_from_args(args):
     if args.members:
-        return StaticMembers(args.members.split(","))
+        try:
+            return StaticMembers(args.members.split(","))
+        except ValueError as err:
+            raise SystemExit(f"gateway: --members: {err}") from err
     namespace = args.namespace
     if not namespace and os.path.exists(SERVICE_ACCOUNT_NAMESPACE):
         with open(SERVICE_ACCOUNT_NAMESPACE) as f:

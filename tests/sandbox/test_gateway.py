@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -274,3 +275,36 @@ def test_gateway_refuses_to_start_misconfigured(args, env, message):
     r = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "gateway", "--port", "1", *args], env=full,
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode != 0 and message in r.stderr
+
+
+def test_a_leased_sandbox_that_is_only_slow_keeps_its_lease(tmp_path):
+    busy_sb, idle_sb = start_sandbox(tmp_path, "slow-a"), start_sandbox(tmp_path, "slow-b")
+    gw = start_gateway(tmp_path, [busy_sb.url, idle_sb.url], "--health-interval-seconds", "0.2",
+                       "--health-timeout-seconds", "0.3", "--health-failures", "2")
+    try:
+        all_warm(gw, 2)
+        with gw_client(gw) as c:
+            lease = c.post("/v1/leases", json={"group_id": "g"}).json()
+            busy, idle = (busy_sb, idle_sb) if busy_sb.url.endswith(lease["sandbox"]) else (idle_sb, busy_sb)
+            result: dict = {}
+            t = threading.Thread(target=lambda: result.update(r=c.post(
+                f"/v1/leases/{lease['lease_id']}/exec", json={"command": "touch started; sleep 2; echo done"})))
+            t.start()
+            wait_until(lambda: (busy.workspace / "main" / "started").exists(), 20, what="exec running")
+            for p in (busy, idle):
+                os.kill(p.pid, signal.SIGSTOP)  # both stop answering health checks
+            idle_name = idle.url.split("//")[1]
+            try:  # the idle one is taken out: proof that the checks ran and timed out
+                wait_until(lambda: demand(gw)["members"][idle_name] == "unhealthy", 30, what="idle one out")
+                assert demand(gw)["members"][lease["sandbox"]] == "busy"
+            finally:
+                for p in (busy, idle):
+                    os.kill(p.pid, signal.SIGCONT)
+            t.join(60)
+            assert result["r"].status_code == 200 and result["r"].json()["stdout"] == "done\n"
+            c.delete(f"/v1/leases/{lease['lease_id']}")
+        all_warm(gw, 2)
+    finally:
+        gw.stop()
+        busy_sb.stop()
+        idle_sb.stop()

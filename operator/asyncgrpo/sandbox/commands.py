@@ -82,6 +82,7 @@ def register(subparsers) -> None:
     _add(gw, "--max-wait-seconds", G + "MAX_WAIT_SECONDS", 300.0, float,
          help_="longest a lease request may wait for a sandbox")
     _add(gw, "--health-interval-seconds", G + "HEALTH_INTERVAL_SECONDS", 5.0, float)
+    _add(gw, "--health-timeout-seconds", G + "HEALTH_TIMEOUT_SECONDS", 3.0, float)
     _add(gw, "--health-failures", G + "HEALTH_FAILURES", 2, int,
          help_="consecutive failed health checks that take a sandbox out")
     _add(gw, "--max-body-bytes", G + "MAX_BODY_BYTES", 16 << 20, int)
@@ -187,6 +188,7 @@ def serve_gateway(args: argparse.Namespace) -> int:
         lease_max_seconds=args.lease_max_seconds,
         max_wait_seconds=args.max_wait_seconds,
         health_interval_seconds=args.health_interval_seconds,
+        health_timeout_seconds=args.health_timeout_seconds,
         health_failures=args.health_failures,
         max_body_bytes=args.max_body_bytes,
         max_exec_seconds=args.max_exec_seconds,

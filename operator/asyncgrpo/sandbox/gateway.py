@@ -108,12 +108,15 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
             log.warning("reset of %s failed: %s", m.name, err)
             return False
 
-    async def healthy(m: Member) -> tuple[bool, str]:
+    async def healthy(m: Member) -> tuple[bool, str, bool]:
+        """(answered 200, why not, whether it was only slow)."""
         try:
             status, _ = await http.request("GET", f"{m.url}/healthz", settings.health_timeout_seconds)
-            return status == 200, f"health returned {status}"
-        except (TimeoutError, *_CONNECTION_ERRORS) as err:
-            return False, f"health check failed: {type(err).__name__}"
+            return status == 200, f"health returned {status}", False
+        except TimeoutError as err:  # aiohttp's ServerTimeoutError is one too
+            return False, f"health check timed out: {type(err).__name__}", True
+        except _CONNECTION_ERRORS as err:
+            return False, f"health check failed: {type(err).__name__}", False
 
     pool = Pool(
         reset_fn=reset_member,
@@ -123,11 +126,16 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
     )
 
     async def probe(m: Member) -> None:
-        ok, reason = await healthy(m)
+        ok, reason, slow = await healthy(m)
         if ok:
             pool.health_ok(m.name)
-        else:
-            pool.health_failed(m.name, reason, settings.health_failures)
+            return
+        lease = pool.leases.get(m.lease_id) if m.lease_id else None
+        if slow and lease is not None and lease.in_flight:
+            # a sandbox busy with a heavy command answers slowly, but it answers its exec:
+            # only a refused or dropped connection takes a leased sandbox out mid-call
+            return
+        pool.health_failed(m.name, reason, settings.health_failures)
 
     async def health_loop() -> None:
         while True:
@@ -223,7 +231,7 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
                  "detail": f"no answer within {timeout:g}s"}, status_code=504)
         except _CONNECTION_ERRORS as err:
             metrics.proxy_errors.inc()
-            alive, _ = await healthy(member)
+            alive, _, _ = await healthy(member)
             if alive:  # the connection failed, the sandbox did not: keep the lease
                 return JSONResponse(
                     {"error": "proxy_error", "lease_id": lease_id, "sandbox": member.name,

@@ -36,8 +36,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "operator"))
 
-from asyncgrpo.controller.kube import path, request  # noqa: E402
-from asyncgrpo.testing.cluster import TestCluster  # noqa: E402
+from asyncgrpo.controller.kube import path, request
+from asyncgrpo.testing.cluster import TestCluster
 
 WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY"}
 RESOURCES = {"asyncgrporuns", "pods", "deployments", "statefulsets", "services", "configmaps",
@@ -123,7 +123,7 @@ def main() -> int:
 
         port = free_port()
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-        log = open(work / "operator.log", "w")
+        log = open(work / "operator.log", "w")  # noqa: SIM115 (closed with the process)
         op = subprocess.Popen(
             [sys.executable, "-m", "asyncgrpo.cli", "operator", "--all-namespaces",
              "--metrics-address", "127.0.0.1", "--metrics-port", str(port), "--health-port", "0",

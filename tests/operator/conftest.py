@@ -12,9 +12,9 @@ import os
 # kopf fixes timer intervals when handlers register: set before anything imports them
 os.environ.setdefault("ASYNCGRPO_OPERATOR_RESYNC_SECONDS", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.operator.helpers import Api, JsonServer, s3_secret  # noqa: E402
+from tests.operator.helpers import Api, JsonServer, s3_secret
 
 
 @pytest.fixture(scope="session")

@@ -174,7 +174,7 @@ class JsonServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 server.hits[self.path] = server.hits.get(self.path, 0) + 1
                 if self.path not in server.routes:
                     self.send_response(404)
@@ -187,7 +187,7 @@ class JsonServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 server.hits[self.path] = server.hits.get(self.path, 0) + 1
                 server.auth[self.path] = self.headers.get("Authorization", "")
                 _, body = server.routes.get(self.path, ("", b'{"safe_to_delete": true}'))

@@ -40,7 +40,8 @@ def test_multi_turn_run_gets_every_child_owned_by_it(api, ns, s3_server, gvisor)
     uid = created["metadata"]["uid"]
 
     for kind, name in CHILDREN:
-        obj = wait_for(lambda: api.get(kind, ns, name.format(r="agent")), what=f"{kind} {name}")
+        obj = wait_for(lambda k=kind, n=name: api.get(k, ns, n.format(r="agent")),
+                       what=f"{kind} {name}")
         refs = obj["metadata"]["ownerReferences"]
         assert refs == [{"apiVersion": "asyncgrpo.dev/v1alpha1", "kind": "AsyncGRPORun",
                          "name": "agent", "uid": uid, "controller": True,

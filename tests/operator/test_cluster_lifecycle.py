@@ -89,7 +89,8 @@ def test_delete_follows_the_deletion_policy(api, ns, s3_server, policy):
     # children go through their ownerReferences (the controller-manager's garbage collector)
     for kind, child in (("Deployment", f"{name}-vllm"), ("StatefulSet", f"{name}-trainer"),
                         ("ConfigMap", f"{name}-config"), ("NetworkPolicy", f"{name}-vllm")):
-        wait_for(lambda: api.get(kind, ns, child) is None, what=f"{kind} {child} collected")
+        wait_for(lambda k=kind, c=child: api.get(k, ns, c) is None,
+                 what=f"{kind} {child} collected")
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="deletion-bucket").get("Contents", [])}
     assert other in keys  # another run's objects are never touched
     assert (mine in keys) == (policy == "Retain")

@@ -84,7 +84,7 @@ def test_stuck_pods_name_the_reason():
 
 def test_succeeded_at_total_steps_and_stays_terminal():
     obs = running_obs(progress=Progress(step=SPEC.trainer.total_steps, policy_version=9))
-    status, events = compute(SPEC, obs, {"phase": "Running"}, "T")
+    status, _ = compute(SPEC, obs, {"phase": "Running"}, "T")
     assert status["phase"] == "Succeeded" and status["completionTime"] == "T"
     later, _ = compute(SPEC, running_obs(), status, "T2")
     assert later["phase"] == "Succeeded"

@@ -13,6 +13,8 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from asyncgrpo.api.v1alpha1 import AdapterStoreSpec
 
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
@@ -67,7 +69,7 @@ def client(store: AdapterStoreSpec, creds: Credentials | None, timeout: float = 
 
 
 def _classify(err: Exception, store: AdapterStoreSpec, action: str) -> BucketError:
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
 
     if isinstance(err, ClientError):
         code = str(err.response.get("Error", {}).get("Code", "Unknown"))
@@ -98,7 +100,7 @@ def ensure_bucket(store: AdapterStoreSpec, creds: Credentials | None) -> bool:
     try:
         s3.head_bucket(Bucket=store.bucket)
         return False
-    except Exception as err:
+    except (BotoCoreError, ClientError) as err:
         missing = _classify(err, store, "checking")
         if missing.reason != "BucketNotFound" or not store.create_bucket:
             raise missing from None
@@ -108,7 +110,7 @@ def ensure_bucket(store: AdapterStoreSpec, creds: Credentials | None) -> bool:
             kw["CreateBucketConfiguration"] = {"LocationConstraint": store.region}
         s3.create_bucket(**kw)
         return True
-    except Exception as err:
+    except (BotoCoreError, ClientError) as err:
         code = getattr(err, "response", {}).get("Error", {}).get("Code")
         if code in ("BucketAlreadyOwnedByYou",):
             return False
@@ -132,7 +134,7 @@ def delete_run_objects(store: AdapterStoreSpec, creds: Credentials | None, run_n
             if keys:
                 s3.delete_objects(Bucket=store.bucket, Delete={"Objects": keys, "Quiet": True})
                 deleted += len(keys)
-    except Exception as err:
+    except (BotoCoreError, ClientError) as err:
         e = _classify(err, store, "emptying")
         if e.reason == "BucketNotFound":
             return deleted  # nothing left to delete

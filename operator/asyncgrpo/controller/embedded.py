@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Self
 
 from asyncgrpo.controller.runtime import Runtime, Settings
 
@@ -40,10 +41,10 @@ class EmbeddedOperator:
                 ready_flag=self._ready,
                 memo=kopf.Memo(runtime=self.runtime),
             ))
-        except BaseException as e:  # surfaced by start()/stop()
+        except BaseException as e:  # noqa: BLE001 (kept, raised again by stop())
             self.error = e
 
-    def start(self, timeout: float = 60.0) -> EmbeddedOperator:
+    def start(self, timeout: float = 60.0) -> Self:
         self._thread = threading.Thread(target=self._main, name="asyncgrpo-operator",
                                         daemon=True)
         self._thread.start()
@@ -58,7 +59,7 @@ class EmbeddedOperator:
         if self.error is not None and not isinstance(self.error, asyncio.CancelledError):
             raise self.error
 
-    def __enter__(self) -> EmbeddedOperator:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

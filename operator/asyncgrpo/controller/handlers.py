@@ -85,7 +85,8 @@ def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
 def _kubeconfig_token_login(path: str) -> kopf.ConnectionInfo:
     import yaml
 
-    doc = yaml.safe_load(open(path))
+    with open(path) as f:
+        doc = yaml.safe_load(f)
     ctx_name = doc.get("current-context")
     ctx = next(c["context"] for c in doc["contexts"] if c["name"] == ctx_name)
     cluster = next(c["cluster"] for c in doc["clusters"] if c["name"] == ctx["cluster"])

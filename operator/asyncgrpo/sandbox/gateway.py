@@ -201,11 +201,13 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
             return _gone(err)
 
     async def forward(lease_id: str, request: Request, path: str) -> Response:
+        body = await request.body()
+        # looked up after the last await before the call: between here and `in_flight += 1`
+        # nothing can end the lease or hand its sandbox to another group
         try:
             lease, member = pool.get(lease_id)
         except LeaseGone as err:
             return _gone(err)
-        body = await request.body()
         timeout = settings.max_exec_seconds + _EXEC_SLACK_SECONDS
         if path == "/v1/exec":
             # the sandbox must give up before we do: cap the exec's own timeout at ours, so a

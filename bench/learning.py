@@ -85,9 +85,10 @@ def main() -> int:
     import yaml
 
     sys.path.insert(0, str(REPO))
-    from asyncgrpo.trainer.tiny_tokenizer import save_tiny_checkpoint
     from tests.conftest import free_port, wait_for_port
     from tests.vllm_server import start_vllm_server
+
+    from asyncgrpo.trainer.tiny_tokenizer import save_tiny_checkpoint
 
     cpus = sorted(os.sched_getaffinity(0))
     trainer_cpus, vllm_cpus = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
@@ -95,9 +96,10 @@ def main() -> int:
     creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
              "AWS_DEFAULT_REGION": "us-east-1"}
     port = free_port()
-    moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=open(tmp / "moto.log", "w"),
-                            stderr=subprocess.STDOUT)
+    with open(tmp / "moto.log", "w") as moto_log:
+        moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H",
+                                 "127.0.0.1", "-p", str(port)], stdout=moto_log,
+                                stderr=subprocess.STDOUT)
     server = trainer = None
     try:
         wait_for_port(port, proc=moto)

@@ -45,7 +45,8 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 

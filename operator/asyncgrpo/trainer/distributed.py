@@ -97,7 +97,7 @@ def distributed_config(world_size: int, fsdp_size: int | None = None, ep_size: i
     from transformers.distributed import DistributedConfig
 
     fsdp, ep = parallel_sizes(world_size, fsdp_size, ep_size, moe)
-    kwargs = dict(fsdp_size=fsdp, dp_replicate_size=world_size // fsdp)
+    kwargs = {"fsdp_size": fsdp, "dp_replicate_size": world_size // fsdp}
     if ep > 1:
         kwargs.update(ep_size=ep, ep_implementation="all_to_all")
     return DistributedConfig(**kwargs)
@@ -109,7 +109,7 @@ def load_causal_lm(path: str, *, dtype=None, world_size: int = 1, fsdp_size: int
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=dtype or torch.float32)
+    kwargs = {"dtype": dtype or torch.float32}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     cfg = distributed_config(world_size, fsdp_size, ep_size, moe)

@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 
 from trl.experimental.async_grpo import AsyncGRPOTrainer
-from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 from trl.experimental.async_grpo.async_grpo_trainer import (
     save_lora_adapter,
     validate_lora_for_vllm_sync,
 )
+from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
 from asyncgrpo.adapters.probe import (
     ProbeError,

@@ -12,6 +12,7 @@ Each trainer process has its own registry so tests can run several in one interp
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,29 +28,29 @@ PREFIX = "asyncgrpo_trainer_"
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "step": ("gauge", "Optimizer steps done.", ()),
     "policy_version": ("gauge", "Newest policy version published (served as policy-v<N>).", ()),
-    "raw_tokens_per_second": ("gauge", "Rollout tokens trained per second of wall clock "
-                              "(every rollout's full length).", ()),
-    "forwarded_tokens_per_second": ("gauge", "Unique tokens forwarded per second of wall clock "
-                                    "after tree packing.", ()),
+    "raw_tokens_per_second": (
+        "gauge", "Rollout tokens trained per second of wall clock (full lengths).", ()),
+    "forwarded_tokens_per_second": (
+        "gauge", "Unique tokens forwarded per second of wall clock after tree packing.", ()),
     "tree_compression_ratio": ("gauge", "Raw tokens / forwarded tokens of the last step.", ()),
-    "step_seconds": ("histogram", "Wall-clock seconds of one optimizer step (rollout waits "
-                     "included).", ()),
-    "sample_staleness_steps": ("gauge", "Mean policy versions between generating and "
-                               "training a sample, last step.", ()),
+    "step_seconds": (
+        "histogram", "Wall-clock seconds of one optimizer step (rollout waits included).", ()),
+    "sample_staleness_steps": (
+        "gauge", "Mean policy versions between generating and training a sample.", ()),
     "dropped_stale_samples_total": ("counter", "Samples dropped as older than maxStaleness.", ()),
-    "adapter_publish_seconds": ("histogram", "Seconds from the end of an optimizer step to the "
-                                "adapter's manifest in the bucket.", ()),
+    "adapter_publish_seconds": (
+        "histogram", "Seconds from the end of a step to the adapter's manifest in the bucket.", ()),
     "adapter_publish_bytes": ("gauge", "Bytes of the last published adapter.", ()),
     "adapter_published_bytes_total": ("counter", "Bytes of adapters uploaded.", ()),
-    "served_logprob_diff": ("gauge", "Max |served - trained| log-prob (nats) over the probe "
-                            "tokens for the newest version.", ()),
-    "served_logprob_probe_failures_total": ("counter", "Probes vLLM did not answer (adapter "
-                                            "refused or unreachable).", ()),
+    "served_logprob_diff": (
+        "gauge", "Max |served - trained| log-prob (nats) over the probe, newest version.", ()),
+    "served_logprob_probe_failures_total": (
+        "counter", "Probes vLLM did not answer (adapter refused or unreachable).", ()),
     "reward_mean": ("gauge", "Mean reward of the samples of the last step.", ()),
     "reward_std": ("gauge", "Within-group reward standard deviation, last step.", ()),
     "rollout_queue_depth": ("gauge", "Scored samples waiting for the trainer.", ()),
-    "retries_total": ("counter", "Calls retried because a dependency was unreachable.",
-                      ("target",)),
+    "retries_total": (
+        "counter", "Calls retried because a dependency was unreachable.", ("target",)),
     "checkpoint_step": ("gauge", "Step of the newest complete checkpoint in the bucket.", ()),
     "checkpoint_seconds": ("histogram", "Seconds to write one checkpoint to the bucket.", ()),
 }
@@ -130,7 +131,7 @@ class TrainerMetrics:
         metrics = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
+            def do_GET(self):
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     body, ctype = metrics.exposition(), CONTENT_TYPE_LATEST
@@ -172,7 +173,7 @@ class TrainerMetrics:
         def get(*keys):
             for k in keys:
                 v = logs.get(k)
-                if isinstance(v, (int, float)) and v == v:  # not None, not NaN
+                if isinstance(v, (int, float)) and not math.isnan(v):
                     return float(v)
             return None
 

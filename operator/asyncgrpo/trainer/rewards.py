@@ -156,7 +156,7 @@ def load_user_function(module: str) -> RewardFn:
     except (ImportError, AttributeError) as err:
         raise ValueError(f"reward module {module!r} cannot be loaded: {err}") from err
     if not callable(fn):
-        raise ValueError(f"reward module {module!r} is not callable")
+        raise TypeError(f"reward module {module!r} is not callable")
     return fn
 
 

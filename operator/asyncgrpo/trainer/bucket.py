@@ -30,13 +30,14 @@ class BucketUnavailable(RuntimeError):
 
 def is_transient(err: BaseException) -> bool:
     """Connection-level failures and server-side errors: worth another try."""
-    from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError
     from botocore.exceptions import (
+        ClientError,
         ConnectionClosedError,
         ConnectTimeoutError,
         EndpointConnectionError,
         ReadTimeoutError,
     )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
 
     seen = 0
     while err is not None and seen < 8:
@@ -61,7 +62,7 @@ def retry(what: str, fn: Callable[[], _T], *, attempts: int = 8, backoff_s: floa
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except Exception as err:  # noqa: BLE001 - classified
+        except Exception as err:
             if not transient(err):
                 raise
             if on_retry is not None:

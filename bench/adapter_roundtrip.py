@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.vllm_server import free_port, start_vllm_server
+from tests.vllm_server import start_vllm_server
+
+from asyncgrpo.testing.s3 import S3Server
 
 # Qwen2.5-1.5B-class shapes for the extrapolation (hidden, intermediate, layers, q/kv heads,
 # head_dim), LoRA on all 7 linear projections, rank 16.
@@ -45,24 +46,6 @@ def lora_params(hidden, intermediate, layers, q_heads, kv_heads, head_dim, rank)
     shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden),
               (hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]
     return layers * sum(rank * (i + o) for i, o in shapes)
-
-
-def start_moto(tmp: Path):
-    port = free_port()
-    moto = Path(sys.executable).parent / "moto_server"
-    log = open(tmp / "moto.log", "w")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=log,
-                            stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    import socket
-
-    for _ in range(300):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc, endpoint
-        time.sleep(0.1)
-    proc.terminate()
-    raise RuntimeError("moto_server did not start")
 
 
 def first_token_s(server, model: str) -> float:
@@ -114,7 +97,8 @@ def main() -> None:
     creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
              "AWS_DEFAULT_REGION": "us-east-1"}
     os.environ.update(creds)
-    moto, endpoint = start_moto(tmp)
+    moto = S3Server.start(tmp / "moto.log")
+    endpoint = moto.endpoint
     server = None
     try:
         base = save_tiny_checkpoint(tmp / "base")
@@ -153,8 +137,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-        moto.terminate()
-        moto.wait(timeout=10)
+        moto.stop()
 
     med = {k: statistics.median(r[k] for r in rows)
            for k in ("save_s", "publish_s", "serve_s", "warm_s", "total_s")}

@@ -26,7 +26,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,26 +35,10 @@ from pathlib import Path
 
 import httpx
 
+from asyncgrpo.testing.net import free_port, wait_for_port
+
 TOKEN = "bench-sandbox-token"
 GW_TOKEN = "bench-gateway-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(port)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -166,14 +149,14 @@ def main() -> int:
                                   "--workspace", str(base / f"ws{i}")], env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(p)
-            wait_port(port, p)
+            wait_for_port(port, timeout=60.0, proc=p)
             urls.append(f"http://127.0.0.1:{port}")
         gport = free_port()
         gw = subprocess.Popen([*cli, "gateway", "--host", "127.0.0.1", "--port", str(gport), "--members",
                                ",".join(urls), "--health-interval-seconds", "1"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(gw)
-        wait_port(gport, gw)
+        wait_for_port(gport, timeout=60.0, proc=gw)
         gurl = f"http://127.0.0.1:{gport}"
         deadline = time.monotonic() + 60
         while httpx.get(f"{gurl}/v1/demand").json()["idle"] < args.sandboxes:

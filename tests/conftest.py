@@ -3,67 +3,24 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from asyncgrpo.testing.net import free_port, wait_for_port
+from asyncgrpo.testing.net import free_port, wait_for_port  # noqa: F401 (used by tests)
+from asyncgrpo.testing.s3 import S3Server
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-class S3Server:
-    """A real S3 HTTP server (moto_server) on loopback; credentials are dummies it accepts."""
-
-    access_key = "testing-access-key"
-    secret_key = "testing-secret-key"
-    region = "us-east-1"
-
-    def __init__(self, port: int, proc: subprocess.Popen):
-        self.port = port
-        self.proc = proc
-        self.endpoint = f"http://127.0.0.1:{port}"
-
-    def client(self):
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name=self.region,
-        )
-
-    def env(self) -> dict[str, str]:
-        return {
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": self.region,
-            "AWS_ENDPOINT_URL_S3": self.endpoint,
-        }
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "w")  # noqa: SIM115 (moto writes it)
-    moto = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen(
-        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"},
-    )
+    """A real S3 server (moto_server) on loopback for the session."""
+    server = S3Server.start(tmp_path_factory.mktemp("s3") / "moto.log")
     try:
-        wait_for_port(port, proc=proc)
-        yield S3Server(port, proc)
+        yield server
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        log.close()
+        server.stop()
 
 
 # ---------------------------------------------------------------- the real test cluster

@@ -129,8 +129,9 @@ def test_missing_secret_and_unreachable_store_are_conditions(api, ns, s3_server)
               "stringData": {"AWS_ACCESS_KEY_ID": s3_server.access_key,
                              "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}}
     api.create(secret)
+    # failing checks back off (1 s doubling, at most 30 s)
     wait_for(lambda: api.condition(ns, "nosecret", "BucketReady").get("status") == "True",
-             what="BucketReady once the Secret exists")
+             timeout=45, what="BucketReady once the Secret exists")
 
     from tests.conftest import free_port
     run = make_run(s3_server, ns, "nostore")

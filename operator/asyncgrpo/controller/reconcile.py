@@ -40,6 +40,8 @@ PRUNED_KINDS = frozenset({"ConfigMap", "Service", "ServiceAccount", "Deployment"
 
 #: Seconds before retrying a sandbox creation the API server refused.
 POOL_RETRY_SECONDS = 30.0
+#: Longest wait between two checks of a failing bucket.
+BUCKET_RETRY_MAX_SECONDS = 30.0
 
 
 def now_iso() -> str:
@@ -75,6 +77,9 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     ns, name = meta["namespace"], meta["name"]
     state = rt.run((ns, name))
     old = json.loads(json.dumps(body.get("status") or {}))
+    if state.finished is not None and old.get("phase") not in TERMINAL:
+        # the body predates our own patch that finished the run: never un-finish it
+        old.update(state.finished)
     run, errors = validate_run(run_document(body))
     obs = Observation(generation=int(meta.get("generation") or 0), spec_errors=errors,
                       children=children)
@@ -118,7 +123,10 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     obs.progress = state.progress
 
     status, events = compute(run.spec, obs, old, now_iso())
-    return Outcome(status, events, delete_run=_ttl_expired(run, {**old, **status}))
+    merged = {**old, **status}
+    if merged.get("phase") in TERMINAL:
+        state.finished = {"phase": merged["phase"], "completionTime": merged["completionTime"]}
+    return Outcome(status, events, delete_run=_ttl_expired(run, merged))
 
 
 def _merge_progress(old: progress.Progress | None,
@@ -152,17 +160,24 @@ def read_credentials(rt: Runtime, run: AsyncGRPORun) -> bucket.Credentials | Non
 
 
 def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation) -> None:
-    """Verified once per adapterStore spec; retried every reconcile while it fails."""
+    """Verified once per adapterStore spec; while it fails, retried with a growing backoff
+    (1 s doubling to BUCKET_RETRY_MAX_SECONDS), at once when the adapterStore spec changes."""
     key = run.spec.adapter_store.model_dump_json()
-    if state.bucket_ok_for != key:
+    now = time.monotonic()
+    if state.bucket_ok_for != key and (state.bucket_failed_for != key
+                                       or now >= state.bucket_retry_at):
         try:
             created = bucket.ensure_bucket(run.spec.adapter_store, read_credentials(rt, run))
-            state.bucket_ok_for, state.bucket_error = key, None
+            state.bucket_ok_for, state.bucket_error, state.bucket_failures = key, None, 0
             if created:
                 log.info("created bucket %s for %s", run.spec.adapter_store.bucket,
                          run.metadata.name)
         except bucket.BucketError as e:
-            state.bucket_ok_for, state.bucket_error = None, e
+            state.bucket_failures = state.bucket_failures + 1 \
+                if state.bucket_failed_for == key else 1
+            state.bucket_ok_for, state.bucket_error, state.bucket_failed_for = None, e, key
+            state.bucket_retry_at = now + min(2.0 ** (state.bucket_failures - 1),
+                                              BUCKET_RETRY_MAX_SECONDS)
     obs.bucket_checked = True
     obs.bucket_error = state.bucket_error
 

@@ -43,10 +43,14 @@ class RunState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     bucket_ok_for: str | None = None       # adapterStore spec last verified
     bucket_error: Any = None
+    bucket_failed_for: str | None = None   # adapterStore spec of the last failed check
+    bucket_failures: int = 0
+    bucket_retry_at: float = 0.0
     secret_ready: bool = False
     gateway_token: str | None = None
     excess_since: float | None = None
     spawned_total: int = 0
+    finished: dict[str, str] | None = None   # terminal phase and completionTime, once reached
     #: a refused sandbox creation: (retry after, (reason, message), pod template hash)
     pool_error: tuple[float, tuple[str, str], str] | None = None
     resolved_at: float = 0.0

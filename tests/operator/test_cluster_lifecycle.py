@@ -186,3 +186,21 @@ def test_no_api_writes_at_steady_state(api, ns, s3_server, peers):
     assert events_after == events_before
     writes = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     assert writes == {}, f"writes at steady state: {writes}"
+
+
+def test_hostile_spec_values_are_refused_children_not_a_crash(api, ns, s3_server, operator):
+    """Values the schema lets through but the API server refuses (a malformed valueFrom, a
+    50-character name) become an ApplyFailed condition; the rest of the run still exists."""
+    name = "h" * 50
+    run = make_run(s3_server, ns, name)
+    run["spec"]["rollout"]["env"] = [{"name": "X", "valueFrom": {"bogus": {"a": 1}}}]
+    run["spec"]["rollout"]["extraArgs"] = ["--x=" + "y" * 5000]
+    api.create(run)
+    cond = wait_for(lambda: (c := api.condition(ns, name, "Degraded")).get("reason")
+                    == "ApplyFailed" and c, what="ApplyFailed")
+    assert f"{name}-vllm" in cond["message"] and cond["status"] == "True"
+    assert api.get("StatefulSet", ns, f"{name}-trainer") is not None
+    assert api.get("Deployment", ns, f"{name}-vllm") is None
+    before = operator.runtime.metrics.reconcile_errors._metrics.copy()
+    time.sleep(2)
+    assert operator.runtime.metrics.reconcile_errors._metrics == before

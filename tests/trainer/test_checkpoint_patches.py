@@ -182,3 +182,101 @@ def test_multi_turn_runs_get_the_sandbox_harness():
     import pickle
 
     pickle.dumps(factory)  # TRL pickles it into the rollout child
+
+
+class _Forwarder:
+    """A TCP forwarder on loopback: the bucket's address comes up when it starts."""
+
+    def __init__(self, listen_port: int, target_port: int):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", listen_port))
+        self.sock.listen(16)
+        self.target = target_port
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _pipe(self, a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def _accept(self):
+        import socket
+        import threading
+
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+
+    def close(self):
+        self.closed = True
+        self.sock.close()
+
+
+def test_publish_waits_out_a_bucket_outage(s3_server, tmp_path, monkeypatch):
+    """The bucket is unreachable when the step ends and comes back later: the publish
+    retries until it is in (no step lost), reporting each failure. Real moto behind a
+    loopback forwarder that starts only after a few failed tries."""
+    import threading
+
+    from asyncgrpo.adapters.store import AdapterStore
+    from asyncgrpo.adapters.tiny import save_random_adapter
+    from asyncgrpo.trainer.grpo import publish_until_done
+    from asyncgrpo.trainer.tiny_tokenizer import save_tiny_checkpoint
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    bucket = f"late-{uuid.uuid4().hex[:8]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    base = save_tiny_checkpoint(tmp_path / "base")
+    save_random_adapter(base, tmp_path / "adapter", seed=1)
+    port = free_port()
+    store = AdapterStore(bucket, run="r", endpoint_url=f"http://127.0.0.1:{port}", attempts=1,
+                         backoff_s=0.01, connect_timeout_s=1)
+    failures: list[str] = []
+    forwarders = []
+
+    def bring_up():
+        while len(failures) < 3:  # the outage is observed a few times first
+            threading.Event().wait(0.05)
+        forwarders.append(_Forwarder(port, s3_server.port))
+
+    t = threading.Thread(target=bring_up)
+    t.start()
+    try:
+        manifest = publish_until_done(store, tmp_path / "adapter", 1, step=4, backoff_s=0.05,
+                                      max_backoff_s=0.2,
+                                      on_retry=lambda what, err: failures.append(what))
+        assert len(failures) >= 3
+        assert manifest.version == 1 and store.latest() == 1
+        assert store.manifest(1).step == 4
+    finally:
+        t.join()
+        for f in forwarders:
+            f.close()
+
+
+def test_unreachable_bucket_leaves_no_complete_checkpoint_and_does_not_raise(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "dummy")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "dummy")
+    b = Bucket("bkt", "r", s3_client(f"http://127.0.0.1:{free_port()}", "us-east-1"),
+               attempts=2, backoff_s=0.01)
+    assert CheckpointStore(b).upload(fake_checkpoint(tmp_path, 3), 3) is False

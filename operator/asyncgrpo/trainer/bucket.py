@@ -54,12 +54,18 @@ def is_transient(err: BaseException) -> bool:
     return False
 
 
-def retry(what: str, fn: Callable[[], _T], *, attempts: int = 8, backoff_s: float = 1.0,
+def retry(what: str, fn: Callable[[], _T], *, attempts: int | None = 8, backoff_s: float = 1.0,
           max_backoff_s: float = 30.0, transient: Callable[[BaseException], bool] = is_transient,
           on_retry: Callable[[str, BaseException], None] | None = None) -> _T:
-    """fn() with exponential backoff on transient errors; the last one becomes BucketUnavailable."""
+    """fn() with exponential backoff on transient errors; the last one becomes BucketUnavailable.
+
+    `attempts=None` retries until it succeeds: for work that must not be lost (a publish),
+    where stalling through an outage beats failing the step; `on_retry` reports each failure.
+    """
     delay = backoff_s
-    for attempt in range(1, attempts + 1):
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             return fn()
         except Exception as err:
@@ -67,15 +73,14 @@ def retry(what: str, fn: Callable[[], _T], *, attempts: int = 8, backoff_s: floa
                 raise
             if on_retry is not None:
                 on_retry(what, err)
-            if attempt == attempts:
+            if attempts is not None and attempt >= attempts:
                 raise BucketUnavailable(f"{what}: unreachable after {attempts} attempts "
                                         f"({type(err).__name__})") from None
             sleep = min(delay, max_backoff_s) * (0.5 + random.random() / 2)
-            log.warning("%s failed (%s); retry %d/%d in %.1fs", what, type(err).__name__,
-                        attempt, attempts - 1, sleep)
+            log.warning("%s failed (%s); retry %d%s in %.1fs", what, type(err).__name__,
+                        attempt, "" if attempts is None else f"/{attempts - 1}", sleep)
             time.sleep(sleep)
             delay *= 2
-    raise AssertionError("unreachable")
 
 
 def s3_client(endpoint: str | None, region: str | None):

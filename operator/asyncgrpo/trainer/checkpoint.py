@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncgrpo.trainer.bucket import Bucket
+from asyncgrpo.trainer.bucket import Bucket, BucketUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,15 @@ class CheckpointStore:
         return json.loads(self.bucket.get_bytes(self.root + step_dir(step) + "/" + COMPLETE))
 
     def upload(self, local: Path, step: int, *, rank: int = 0, is_main: bool = True,
-               barrier: Callable[[], None] | None = None, meta: dict | None = None) -> None:
+               barrier: Callable[[], None] | None = None,
+               agree: Callable[[bool], bool] | None = None, meta: dict | None = None) -> bool:
+        """Upload this rank's share; rank 0 marks it COMPLETE when every rank's share is in.
+
+        An unreachable bucket (after the retries) does not fail training: the checkpoint is
+        left incomplete (nobody resumes from it) and False is returned; the next interval
+        tries again. `agree(ok)` must return True only if `ok` on every rank (a collective);
+        `barrier` is used when it is not given.
+        """
         local = Path(local)
         prefix = self.root + step_dir(step) + "/"
         files = sorted(p for p in local.rglob("*") if p.is_file())
@@ -72,17 +80,30 @@ class CheckpointStore:
             m = _RANK_FILE.match(p.name)
             if (int(m.group(1)) == rank) if m else is_main:
                 mine.append(p)
-        for p in mine:
-            self.bucket.upload(p, prefix + p.relative_to(local).as_posix())
-        if barrier is not None:
+        ok = True
+        try:
+            for p in mine:
+                self.bucket.upload(p, prefix + p.relative_to(local).as_posix())
+        except BucketUnavailable as err:
+            log.error("checkpoint step %d not written: %s", step, err)
+            ok = False
+        if agree is not None:
+            ok = agree(ok)
+        elif barrier is not None:
             barrier()
-        if not is_main:
-            return
-        listed = sorted(k[len(prefix):] for k in self.bucket.list(prefix))
-        doc = {"step": int(step), "files": listed, **(meta or {})}
-        self.bucket.put_bytes(prefix + COMPLETE, json.dumps(doc, indent=1).encode())
-        log.info("checkpoint step %d in %s (%d files)", step, self.bucket.url(prefix), len(listed))
-        self.prune()
+        if not is_main or not ok:
+            return ok
+        try:
+            listed = sorted(k[len(prefix):] for k in self.bucket.list(prefix))
+            doc = {"step": int(step), "files": listed, **(meta or {})}
+            self.bucket.put_bytes(prefix + COMPLETE, json.dumps(doc, indent=1).encode())
+            log.info("checkpoint step %d in %s (%d files)", step, self.bucket.url(prefix),
+                     len(listed))
+            self.prune()
+        except BucketUnavailable as err:
+            log.error("checkpoint step %d not completed: %s", step, err)
+            return False
+        return True
 
     def download(self, step: int, dest: Path) -> Path:
         """The checkpoint's files under dest/checkpoint-<step> (the name HF's Trainer reads)."""

@@ -44,7 +44,7 @@ from asyncgrpo.adapters.probe import (
     trained_prompt_logprobs,
 )
 from asyncgrpo.adapters.store import AdapterStoreError, StoreUnavailable
-from asyncgrpo.trainer.bucket import retry
+from asyncgrpo.trainer.bucket import BucketUnavailable, retry
 from asyncgrpo.trainer.rollout_gate import RolloutGate
 from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
 
@@ -53,6 +53,22 @@ log = logging.getLogger(__name__)
 
 class _ProbeUnreachable(Exception):
     pass
+
+
+def publish_until_done(store, local_dir, version: int, *, step: int, extra: dict | None = None,
+                       backoff_s: float = 1.0, max_backoff_s: float = 30.0, on_retry=None):
+    """Publish a version, retrying through any bucket outage until it is in.
+
+    A step's adapter is never dropped: while the bucket is unreachable the trainer stalls
+    here (rollouts keep using the last served version) and `on_retry` reports each failed
+    try (metric, `AdapterStoreReachable=False`). Permanent errors (access denied, missing
+    bucket) are raised. A publish that died mid-upload is simply redone: a version without
+    its manifest does not exist for readers.
+    """
+    return retry(f"publish v{version}",
+                 lambda: store.publish(local_dir, version, step=step, extra=extra),
+                 attempts=None, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+                 transient=lambda e: isinstance(e, StoreUnavailable), on_retry=on_retry)
 
 
 class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
@@ -129,16 +145,24 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
 
     # -- the sync ------------------------------------------------------------------------
 
-    def _retry(self, what, fn, transient):
-        def on_retry(_what, _err):
+    def _on_retry(self, target: str):
+        def on_retry(_what, err):
             if self._metrics_sink is not None:
-                self._metrics_sink.inc("retries_total", target=what)
-        return retry(what, fn, attempts=self._retry_attempts, backoff_s=self._retry_backoff_s,
-                     transient=transient, on_retry=on_retry)
+                self._metrics_sink.inc("retries_total", target=target)
+                if target == "s3":
+                    self._metrics_sink.hint("AdapterStoreReachable", False, "StoreUnavailable",
+                                            str(err)[:300])
+        return on_retry
+
+    def _retry(self, what, fn, transient, attempts: int | None = -1):
+        return retry(what, fn, attempts=self._retry_attempts if attempts == -1 else attempts,
+                     backoff_s=self._retry_backoff_s, transient=transient,
+                     on_retry=self._on_retry(what))
 
     def _next_version(self) -> int:
+        # Unbounded: without the bucket's newest version no safe name can be chosen.
         latest = self._retry("s3", self._store.latest,
-                             lambda e: isinstance(e, StoreUnavailable)) or 0
+                             lambda e: isinstance(e, StoreUnavailable), attempts=None) or 0
         return max(self.model_version, latest) + 1
 
     def _sync_weight_lora(self, t0: float) -> tuple[float, float, float]:
@@ -176,9 +200,9 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
     def _publish(self, version: int, adapter_dir: str, t0: float) -> None:
         step = int(self.state.global_step)
         extra = {"resumed_from_step": self.resumed_from_step}
-        manifest = self._retry(
-            "s3", lambda: self._store.publish(adapter_dir, version, step=step, extra=extra),
-            lambda e: isinstance(e, StoreUnavailable))
+        manifest = publish_until_done(self._store, adapter_dir, version, step=step, extra=extra,
+                                      backoff_s=self._retry_backoff_s,
+                                      on_retry=self._on_retry("s3"))
         seconds = time.time() - t0
         if version in self._fault_versions:
             self._corrupt(version, manifest)
@@ -244,8 +268,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                       self.served_name(self.served_version) if self.served_version else "none")
             if m is not None:
                 m.inc("served_logprob_probe_failures_total")
-                m.hint("AdapterServed", False, "AdapterRefused",
-                       f"{name}: {str(err)[:300]}")
+                reason = "VLLMUnreachable" if isinstance(err, BucketUnavailable) else "AdapterRefused"
+                m.hint("AdapterServed", False, reason, f"{name}: {str(err)[:300]}")
             self.published[-1]["served"] = False
             return False
         finally:
@@ -355,10 +379,21 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         if self.args.save_only_model:
             self._save_replicated_optimizer(local)
         t0 = time.time()
-        self._checkpoints.upload(local, step, rank=self.accelerator.process_index,
-                                 is_main=self.accelerator.is_main_process,
-                                 barrier=self.accelerator.wait_for_everyone,
-                                 meta={"model_version": self.model_version})
-        if self._metrics_sink is not None and self.accelerator.is_main_process:
-            self._metrics_sink.set("checkpoint_step", step)
-            self._metrics_sink.observe("checkpoint_seconds", time.time() - t0)
+        ok = self._checkpoints.upload(local, step, rank=self.accelerator.process_index,
+                                      is_main=self.accelerator.is_main_process,
+                                      agree=self._all_ranks_ok,
+                                      meta={"model_version": self.model_version})
+        m = self._metrics_sink
+        if m is not None and self.accelerator.is_main_process:
+            if ok:
+                m.set("checkpoint_step", step)
+                m.observe("checkpoint_seconds", time.time() - t0)
+            m.hint("CheckpointWritten", ok, "Written" if ok else "StoreUnavailable",
+                   f"step {step}" if ok else f"step {step} could not be written to the bucket; "
+                   "the next interval tries again")
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        import torch
+
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.accelerator.device)
+        return float(self.accelerator.reduce(flag, reduction="sum").item()) == 0.0

@@ -276,6 +276,15 @@ def test_metrics_names_carry_units(client, sandbox):
 _SYSTEM_PYTHON = "/usr/bin/python3.11"
 
 
+def _first_path_closed_to_others(path: Path) -> Path | None:
+    """The first folder on the way to `path` that other users cannot enter (e.g. a mode-700
+    temporary clone), or None: the unprivileged server imports the code from there."""
+    for folder in [*reversed(path.parents), path]:
+        if not folder.stat().st_mode & 0o001:
+            return folder
+    return None
+
+
 @pytest.fixture
 def nonroot_sandbox(tmp_path):
     """The image's mode: the server itself runs as an unprivileged uid, commands under the same uid.
@@ -285,6 +294,9 @@ def nonroot_sandbox(tmp_path):
     """
     if os.geteuid() != 0 or not os.path.exists(_SYSTEM_PYTHON) or not shutil.which("setpriv"):
         pytest.skip("needs root to start the server as another uid, and a python that uid can run")
+    unreadable = _first_path_closed_to_others(Path(__file__).resolve().parents[2])
+    if unreadable is not None:
+        pytest.skip(f"uid 65534 cannot read the checkout: {unreadable} is not world-searchable")
     from tests.conftest import free_port
     from tests.sandbox.conftest import Proc
 

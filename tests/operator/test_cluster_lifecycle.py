@@ -204,3 +204,19 @@ def test_hostile_spec_values_are_refused_children_not_a_crash(api, ns, s3_server
     before = operator.runtime.metrics.reconcile_errors._metrics.copy()
     time.sleep(2)
     assert operator.runtime.metrics.reconcile_errors._metrics == before
+
+
+def test_removing_the_sandboxes_prunes_the_pool_and_its_children(api, ns, s3_server):
+    run = make_run(s3_server, ns, "prune")
+    run["spec"]["sandboxes"] = {"minWarm": 2, "max": 4}
+    api.create(run)
+    wait_for(lambda: len(api.list("Pod", ns, component("prune", "sandbox"))) == 2, what="pool")
+    wait_for(lambda: api.get("Role", ns, "prune-gateway"), what="gateway role")
+    api.patch("AsyncGRPORun", ns, "prune", {"spec": {"sandboxes": None}})
+    wait_for(lambda: not [p for p in api.list("Pod", ns, component("prune", "sandbox"))
+                          if not p["metadata"].get("deletionTimestamp")], what="pool gone")
+    for kind, child in (("Deployment", "prune-gateway"), ("Service", "prune-gateway"),
+                        ("Role", "prune-gateway"), ("RoleBinding", "prune-gateway"),
+                        ("ServiceAccount", "prune-sandbox"), ("NetworkPolicy", "prune-sandbox")):
+        wait_for(lambda k=kind, c=child: api.get(k, ns, c) is None, what=f"{kind} {child} pruned")
+    assert api.get("Deployment", ns, "prune-vllm") is not None

@@ -33,6 +33,9 @@ def register(subparsers) -> None:
                         "(omit to run standalone)")
     p.add_argument("--priority", type=int, default=int(_env("PRIORITY", "0") or 0),
                    help="peering priority; the highest-priority replica acts")
+    p.add_argument("--peering-lifetime", type=int,
+                   default=int(_env("PEERING_LIFETIME", "60") or 60),
+                   help="seconds a replica's peering record lives without a keepalive")
     p.add_argument("--metrics-address", default=_env("METRICS_ADDRESS", "0.0.0.0"))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "8080") or 0),
                    help="port of the Prometheus endpoint; 0 turns it off")
@@ -75,6 +78,7 @@ def run_operator(args: argparse.Namespace) -> int:
         settings.gateway_url = args.gateway_url
     if args.trainer_metrics_url:
         settings.trainer_metrics_url = args.trainer_metrics_url
+    settings.peering_lifetime_seconds = args.peering_lifetime
     rt = Runtime(settings)
     if args.metrics_port:
         start_http_server(args.metrics_port, args.metrics_address, registry=rt.metrics.registry)

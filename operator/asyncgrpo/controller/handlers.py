@@ -68,6 +68,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     if getattr(memo, "runtime", None) is None:
         memo.runtime = Runtime(Settings())
     rt = runtime(memo)
+    settings.peering.lifetime = rt.settings.peering_lifetime_seconds
     if rt.kube is None:
         rt.kube = make_kube(rt)
 

@@ -77,6 +77,12 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     ns, name = meta["namespace"], meta["name"]
     state = rt.run((ns, name))
     old = json.loads(json.dumps(body.get("status") or {}))
+    rv = meta.get("resourceVersion")
+    if state.last_status is not None and state.last_status[0] == rv:
+        # the watch has not delivered our last status patch yet: compute from what we wrote,
+        # so transition times and events are not produced twice (the handler still compares
+        # with the body, so a patch that was lost is sent again)
+        old.update(state.last_status[1])
     if state.finished is not None and old.get("phase") not in TERMINAL:
         # the body predates our own patch that finished the run: never un-finish it
         old.update(state.finished)
@@ -85,6 +91,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
                       children=children)
     if run is None or errors:
         status, events = compute(None, obs, old, now_iso())
+        state.last_status = (rv, {**old, **status})
         return Outcome(status, events)
 
     terminal = old.get("phase") in TERMINAL
@@ -105,7 +112,15 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     obs.apply_errors = _apply(rt, body, desired, children)
 
     spawned = 0
-    if run.spec.sandboxes is not None:
+    if run.spec.sandboxes is None:   # the pool was removed from the spec: its pods go too
+        key = f"{ns}/{name}"
+        left = [c.name for c in children if c.kind == "Pod"
+                and c.component == sandboxes.COMPONENT and not c.deleting]
+        _, pending = rt.expectations.observe(key, left)
+        for pod in set(left) - pending:
+            rt.expectations.expect_delete(key, pod)
+            rt.kube.delete("Pod", ns, pod)
+    else:
         obs.sandboxes, spawned, pool_error = _scale_pool(rt, state, body, run, children,
                                                          stopped)
         obs.pool_error = pool_error
@@ -124,6 +139,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
 
     status, events = compute(run.spec, obs, old, now_iso())
     merged = {**old, **status}
+    state.last_status = (rv, merged)
     if merged.get("phase") in TERMINAL:
         state.finished = {"phase": merged["phase"], "completionTime": merged["completionTime"]}
     return Outcome(status, events, delete_run=_ttl_expired(run, merged))

@@ -31,6 +31,9 @@ class Settings:
     dns_refresh_seconds: float = 60.0
     #: Most sandbox pods created or deleted per run in one reconcile.
     pool_max_step: int = 64
+    #: Seconds a replica's peering record lives without a keepalive; a standby takes over at
+    #: the latest this long after the active replica vanished without saying goodbye.
+    peering_lifetime_seconds: int = 60
     #: Kubeconfig to use instead of the pod's service account or $KUBECONFIG (tests run the
     #: operator as the chart's service account this way).
     kubeconfig: str | None = None
@@ -51,6 +54,7 @@ class RunState:
     excess_since: float | None = None
     spawned_total: int = 0
     finished: dict[str, str] | None = None   # terminal phase and completionTime, once reached
+    last_status: tuple[str | None, dict[str, Any]] | None = None   # (body rv, status computed)
     #: a refused sandbox creation: (retry after, (reason, message), pod template hash)
     pool_error: tuple[float, tuple[str, str], str] | None = None
     resolved_at: float = 0.0

@@ -136,6 +136,9 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
     patches.apply()
     cuda = torch.cuda.is_available()
     top = init_process_group(env.topology, "cuda" if cuda else "cpu")
+    if top.world_size != run.world_size:
+        log.warning("torchrun started %d processes but the run asks for %d (replicas x "
+                    "gpusPerReplica); sharding follows torchrun", top.world_size, run.world_size)
     env.work_dir.mkdir(parents=True, exist_ok=True)
 
     metrics = TrainerMetrics() if top.is_main else None

@@ -32,7 +32,7 @@ def peers():
 def operator_settings(peers):
     from asyncgrpo.controller.runtime import Settings
 
-    return Settings(gateway_url=peers.base + "/gw/{namespace}/{name}",
+    return Settings(resync_seconds=1.0, gateway_url=peers.base + "/gw/{namespace}/{name}",
                     trainer_metrics_url=peers.base + "/tr/{namespace}/{name}/metrics",
                     scrapers=None)
 

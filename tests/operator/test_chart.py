@@ -84,6 +84,15 @@ def test_helm_lint_and_render():
     rule = by_kind["PrometheusRule"]["spec"]
     assert rule == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
     json.loads(by_kind["ConfigMap"]["data"]["asyncgrpo.json"])
+    # the webhook: Service, cert-manager Certificate, env pointing at the Service, TLS mount
+    docs = helm_template("webhook.enabled=true")
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Service", "asyncgrpo-operator-webhook") in kinds
+    assert ("Certificate", "asyncgrpo-operator-webhook") in kinds
+    dep = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in dep["containers"][0]["env"]}
+    assert env["ASYNCGRPO_OPERATOR_WEBHOOK_SERVICE"] == "asyncgrpo-system/asyncgrpo-operator-webhook"
+    assert {"name": "webhook-tls", "secret": {"secretName": "asyncgrpo-webhook-tls"}} in dep["volumes"]
     # namespaced mode: Roles in the watched namespaces, nothing cluster-wide that writes
     docs = helm_template("watchNamespaces={team-a,team-b}")
     roles = [d for d in docs if d["kind"] == "Role"]

@@ -48,6 +48,13 @@ def register(subparsers) -> None:
                    help="URL template of a run's gateway ({name}, {namespace})")
     p.add_argument("--trainer-metrics-url", default=_env("TRAINER_METRICS_URL", None),
                    help="URL template of rank 0's metrics ({name}, {namespace}, {port})")
+    p.add_argument("--webhook-port", type=int, default=int(_env("WEBHOOK_PORT", "0") or 0),
+                   help="serve the validating admission webhook on this port (0: off); kopf "
+                        "keeps the ValidatingWebhookConfiguration validate.asyncgrpo.dev")
+    p.add_argument("--webhook-cert-dir", default=_env("WEBHOOK_CERT_DIR", "/etc/asyncgrpo/webhook"),
+                   help="directory with tls.crt, tls.key and ca.crt")
+    p.add_argument("--webhook-service", default=_env("WEBHOOK_SERVICE", ""),
+                   help="namespace/name of the Service the API server calls the webhook by")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=run_operator)
 
@@ -60,20 +67,21 @@ def namespaces(args: argparse.Namespace) -> list[str]:
 
 
 def run_operator(args: argparse.Namespace) -> int:
-    # kopf fixes timer intervals when the handlers module is imported
-    os.environ[E + "RESYNC_SECONDS"] = str(args.resync_seconds)
     import asyncio
 
     import kopf
     from prometheus_client import start_http_server
 
-    from asyncgrpo.controller import handlers  # noqa: F401  (registers the handlers)
-    from asyncgrpo.controller.runtime import Runtime, Settings
+    from asyncgrpo.controller import handlers
+    from asyncgrpo.controller.runtime import Runtime, Settings, WebhookSettings
 
     watched = namespaces(args)
     if not watched and not args.all_namespaces:
         raise SystemExit("asyncgrpo operator: give --namespace NS (repeatable) or --all-namespaces")
-    settings = Settings()
+    settings = Settings(resync_seconds=args.resync_seconds)
+    if args.webhook_port:
+        settings.webhook = WebhookSettings(port=args.webhook_port, cert_dir=args.webhook_cert_dir,
+                                           service=args.webhook_service or None)
     if args.gateway_url:
         settings.gateway_url = args.gateway_url
     if args.trainer_metrics_url:
@@ -84,6 +92,7 @@ def run_operator(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, args.metrics_address, registry=rt.metrics.registry)
     kopf.configure(verbose=args.verbose)
     asyncio.run(kopf.operator(
+        registry=handlers.registry(settings),
         clusterwide=args.all_namespaces,
         namespaces=watched,
         standalone=args.peering is None,

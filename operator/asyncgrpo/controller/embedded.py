@@ -28,10 +28,11 @@ class EmbeddedOperator:
     def _main(self) -> None:
         import kopf
 
-        from asyncgrpo.controller import handlers  # noqa: F401
+        from asyncgrpo.controller import handlers
 
         try:
             asyncio.run(kopf.operator(
+                registry=handlers.registry(self.runtime.settings),
                 clusterwide=not self.namespaces,
                 namespaces=self.namespaces or (),
                 standalone=self.peering is None,

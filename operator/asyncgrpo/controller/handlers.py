@@ -1,5 +1,9 @@
 """kopf handlers: thin wiring from events to `reconcile`, status patches and events.
 
+`registry(settings)` builds a fresh kopf registry per operator (the CLI's, or one of several
+in a test process), so timer intervals and the optional admission webhook follow that
+operator's settings instead of import-time globals.
+
 - Indexes keep a summary of every child (label managed-by=asyncgrpo-operator) per run, fed
   by watches, so a reconcile reads memory, not the API server.
 - The run is reconciled on create, on spec changes, on operator start (resume), and by a
@@ -25,9 +29,6 @@ from asyncgrpo.controller.common import MANAGED_BY, RUN_LABEL
 from asyncgrpo.controller.runtime import Runtime, Settings
 
 log = logging.getLogger("asyncgrpo.operator")
-#: Seconds between timer reconciles of one run; read at import (kopf fixes timer intervals
-#: when handlers register), set by `asyncgrpo operator --resync-seconds`.
-RESYNC_SECONDS = float(os.environ.get("ASYNCGRPO_OPERATOR_RESYNC_SECONDS", "10"))
 RUNS = {"group": API_GROUP, "version": API_VERSION, "plural": "asyncgrporuns"}
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, RUN_LABEL: kopf.PRESENT}
 
@@ -54,7 +55,6 @@ def runtime(memo: Any) -> Runtime:
     return memo.runtime
 
 
-@kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # progress and the last-handled spec live in annotations of our group; status stays ours
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
@@ -71,9 +71,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.peering.lifetime = rt.settings.peering_lifetime_seconds
     if rt.kube is None:
         rt.kube = make_kube(rt)
+    if rt.settings.webhook is not None:
+        from asyncgrpo.controller.webhook import server
+
+        settings.admission.server = server(rt.settings.webhook)
+        settings.admission.managed = "validate.asyncgrpo.dev"
 
 
-@kopf.on.login()
 def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     """In a pod: its service account; elsewhere: KUBECONFIG, read now (not at import)."""
     path = runtime(memo).settings.kubeconfig if getattr(memo, "runtime", None) else None
@@ -125,11 +129,6 @@ def _summarize(body: kopf.Body, memo: kopf.Memo, resource: kopf.Resource,
     return {(body.metadata.namespace, body.metadata.labels[RUN_LABEL]): observe.summarize(doc)}
 
 
-for _id, (_group, _version, _plural) in CHILD_RESOURCES.items():
-    kopf.index(group=_group, version=_version, plural=_plural, id=_id,
-               labels=MANAGED)(_summarize)
-
-
 def _children(kwargs: dict[str, Any], key: tuple[str, str]) -> list[observe.Child]:
     out: list[observe.Child] = []
     for idx in CHILD_RESOURCES:
@@ -170,19 +169,10 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: An
         rt.kube.delete("AsyncGRPORun", *key)
 
 
-@kopf.on.resume(**RUNS)
-@kopf.on.create(**RUNS)
-@kopf.on.update(**RUNS, field="spec")
 def on_change(**kwargs: Any) -> None:
     _reconcile(**kwargs)
 
 
-@kopf.timer(**RUNS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def on_timer(**kwargs: Any) -> None:
-    _reconcile(**kwargs)
-
-
-@kopf.on.delete(**RUNS)
 def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     rt = runtime(memo)
     key = (body.metadata.namespace, body.metadata.name)
@@ -198,3 +188,31 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
         kopf.event(body, type="Warning", reason=e.reason,
                    message=f"bucket objects kept: {e.message}")
     rt.forget(key)
+
+
+def validate(body: kopf.Body, **_: Any) -> None:
+    """Admission: refuse a run `asyncgrpo validate` would refuse, with every field path."""
+    _run, errors = reconcile.validate_run(reconcile.run_document(dict(body)))
+    if errors:
+        raise kopf.AdmissionError("; ".join(str(e) for e in errors[:20]), code=422)
+
+
+def registry(settings: Settings) -> kopf.OperatorRegistry:
+    """Every handler of one operator, with that operator's intervals and webhook."""
+    reg = kopf.OperatorRegistry()
+    kopf.on.startup(registry=reg)(configure)
+    kopf.on.login(registry=reg)(login)
+    for id_, (group, version, plural) in CHILD_RESOURCES.items():
+        kopf.index(group=group, version=version, plural=plural, id=id_, labels=MANAGED,
+                   registry=reg)(_summarize)
+    for decorator in (kopf.on.resume(**RUNS, registry=reg), kopf.on.create(**RUNS, registry=reg),
+                      kopf.on.update(**RUNS, field="spec", registry=reg)):
+        decorator(on_change)
+    every = settings.resync_seconds
+    kopf.timer(**RUNS, id="on_timer", interval=every, initial_delay=every,
+               registry=reg)(_reconcile)
+    kopf.on.delete(**RUNS, registry=reg)(on_delete)
+    if settings.webhook is not None:
+        kopf.on.validate(**RUNS, id="run", operation="CREATE", registry=reg)(validate)
+        kopf.on.validate(**RUNS, id="run-update", operation="UPDATE", registry=reg)(validate)
+    return reg

@@ -16,8 +16,28 @@ from asyncgrpo.controller.progress import Progress
 
 
 @dataclass
+class WebhookSettings:
+    """The validating admission webhook (`asyncgrpo operator --webhook-port`)."""
+
+    port: int = 9443
+    #: Address to listen on.
+    addr: str = "0.0.0.0"
+    #: Directory with tls.crt, tls.key and ca.crt (a cert-manager Secret, mounted).
+    cert_dir: str = "/etc/asyncgrpo/webhook"
+    #: "namespace/name" of the Service in front of the operator: the API server calls it;
+    #: empty: the API server calls https://<host>:<port> directly (out-of-cluster, tests).
+    service: str | None = None
+    host: str | None = None
+
+
+@dataclass
 class Settings:
     """Operator settings (`asyncgrpo operator --help`)."""
+
+    #: Seconds between timer reconciles of one run (status, pool, progress).
+    resync_seconds: float = 10.0
+    #: The validating admission webhook; None: off.
+    webhook: WebhookSettings | None = None
 
     #: Where a run's gateway answers; {name} and {namespace} are filled in.
     gateway_url: str = "http://{name}-gateway.{namespace}.svc:8080"

@@ -12,7 +12,7 @@ help:
 	@echo "make test       set up everything (venvs, cluster binaries, vLLM CPU venv) and run all tests"
 	@echo "make test-fast  the same without the slow end-to-end tests"
 	@echo "make demo       run the embedded default (local processes, no cluster)"
-	@echo "make crd        regenerate crds/ from asyncgrpo.api"
+	@echo "make crd        regenerate the CRD (crds/, the chart) and docs/api-reference.md from asyncgrpo.api"
 	@echo "make lint       ruff + hadolint"
 
 $(VENV)/.installed: pyproject.toml
@@ -44,6 +44,8 @@ demo: $(VENV)/.installed
 
 crd: $(VENV)/.installed
 	$(VENV)/bin/asyncgrpo crd > crds/asyncgrpo.dev_asyncgrporuns.yaml
+	cp crds/asyncgrpo.dev_asyncgrporuns.yaml charts/asyncgrpo/crds/
+	$(VENV)/bin/python -m asyncgrpo.api.reference > docs/api-reference.md
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check operator tests bench

@@ -28,9 +28,6 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     t, r, m = run.spec.trainer, run.spec.rollout, run.spec.model
-    if t.beta:
-        raise ValueError("trainer.beta > 0: TRL 1.16's AsyncGRPO has no reference model (no KL "
-                         "term); set beta: 0")
     world = env.topology.world_size
     samples_per_step = t.prompts_per_step * t.num_generations
     max_steps = t.total_steps if env.max_steps is None else min(t.total_steps, env.max_steps)

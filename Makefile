@@ -39,7 +39,8 @@ test: $(VENV)/.installed system-deps kube-binaries vllm-venv
 test-fast: $(VENV)/.installed system-deps kube-binaries
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed vllm-venv
+	$(VENV)/bin/asyncgrpo local demo-assets .cache/demo
 	$(VENV)/bin/asyncgrpo local run examples/local-tiny.yaml
 
 crd: $(VENV)/.installed

@@ -1,9 +1,4 @@
-"""`asyncgrpo local run FILE`: the same run file as local processes (the embedded default).
-
-The local backend (trainer, vLLM, S3 server and sandboxes as supervised processes on one
-machine) is not built yet. Until it is, this command validates the run, says what is
-missing, and exits non-zero rather than pretending to train.
-"""
+"""`asyncgrpo local ...`: the same run file as local processes (the embedded default)."""
 
 from __future__ import annotations
 
@@ -14,24 +9,45 @@ from pathlib import Path
 def register(sub) -> None:
     p = sub.add_parser("local", help="run an AsyncGRPORun as local processes (no cluster)")
     lsub = p.add_subparsers(dest="local_command", required=True)
-    run = lsub.add_parser("run", help="validate FILE and run it locally")
+    run = lsub.add_parser(
+        "run", help="start S3 (if local), vLLM, sandboxes and the trainer for FILE; follow "
+        "the trainer; stop everything")
     run.add_argument("file", type=Path)
+    run.add_argument("--workdir", type=Path, default=None,
+                     help="logs, caches and trainer status (default .cache/local/<run name>)")
+    run.add_argument("--max-steps", type=int, default=None,
+                     help="stop after this step even if spec.trainer.totalSteps is larger")
     run.set_defaults(func=_run)
+    demo = lsub.add_parser("demo-assets", help="write the demo's tiny model and prompts to DIR")
+    demo.add_argument("directory", type=Path)
+    demo.set_defaults(func=_demo_assets)
 
 
 def _run(args) -> int:
     from asyncgrpo.api import RunValidationError, load_run
+    from asyncgrpo.local.backend import LocalBackend, LocalRunError
 
     try:
         run = load_run(args.file)
     except (OSError, RunValidationError) as e:
         print(f"{args.file}: {e}", file=sys.stderr)
         return 1
-    print(
-        f"{args.file}: {run.metadata.name} is valid, but the local backend is not built yet: "
-        "it needs the process supervisor that starts the S3 server, vLLM (CPU venv), the "
-        "sandbox gateway and the trainer from one run file. Use `make test` to exercise the "
-        "components, or a cluster (README: Quick start).",
-        file=sys.stderr,
-    )
-    return 2
+    workdir = args.workdir or Path(".cache") / "local" / run.metadata.name
+    backend = LocalBackend(run, args.file, workdir, max_steps=args.max_steps,
+                           say=lambda line: print(line, flush=True))
+    try:
+        return backend.run_to_completion()
+    except LocalRunError as e:
+        print(f"{args.file}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+
+
+def _demo_assets(args) -> int:
+    from asyncgrpo.local.demo import prepare_demo
+
+    model, prompts = prepare_demo(args.directory)
+    print(f"model {model}\nprompts {prompts}")
+    return 0

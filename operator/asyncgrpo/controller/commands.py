@@ -68,6 +68,8 @@ def namespaces(args: argparse.Namespace) -> list[str]:
 
 def run_operator(args: argparse.Namespace) -> int:
     import asyncio
+    import faulthandler
+    import signal
 
     import kopf
     from prometheus_client import start_http_server
@@ -75,6 +77,7 @@ def run_operator(args: argparse.Namespace) -> int:
     from asyncgrpo.controller import handlers
     from asyncgrpo.controller.runtime import Runtime, Settings, WebhookSettings
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1`: dump stacks
     watched = namespaces(args)
     if not watched and not args.all_namespaces:
         raise SystemExit("asyncgrpo operator: give --namespace NS (repeatable) or --all-namespaces")
@@ -93,6 +96,7 @@ def run_operator(args: argparse.Namespace) -> int:
     kopf.configure(verbose=args.verbose)
     asyncio.run(kopf.operator(
         registry=handlers.registry(settings),
+        settings=handlers.kopf_settings(settings),
         clusterwide=args.all_namespaces,
         namespaces=watched,
         standalone=args.peering is None,

@@ -33,6 +33,7 @@ class EmbeddedOperator:
         try:
             asyncio.run(kopf.operator(
                 registry=handlers.registry(self.runtime.settings),
+                settings=handlers.kopf_settings(self.runtime.settings),
                 clusterwide=not self.namespaces,
                 namespaces=self.namespaces or (),
                 standalone=self.peering is None,

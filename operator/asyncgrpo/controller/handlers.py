@@ -55,27 +55,33 @@ def runtime(memo: Any) -> Runtime:
     return memo.runtime
 
 
-async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
+    """kopf's settings for one operator, fixed before it starts (peering reads them early)."""
+    ks = kopf.OperatorSettings()
     # progress and the last-handled spec live in annotations of our group; status stays ours
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    ks.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=API_GROUP, key="last-handled-configuration")
-    settings.posting.level = logging.WARNING       # no event per routine timer tick
-    settings.posting.reporting_component = MANAGED_BY
-    settings.execution.max_workers = 16
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
+    ks.posting.level = logging.WARNING       # no event per routine timer tick
+    ks.posting.reporting_component = MANAGED_BY
+    ks.execution.max_workers = 16
+    ks.watching.server_timeout = 300
+    ks.watching.client_timeout = 330
+    ks.peering.lifetime = settings.peering_lifetime_seconds
+    if settings.webhook is not None:
+        from asyncgrpo.controller.webhook import server
+
+        ks.admission.server = server(settings.webhook)
+        ks.admission.managed = "validate.asyncgrpo.dev"
+    return ks
+
+
+async def configure(memo: kopf.Memo, **_: Any) -> None:
     if getattr(memo, "runtime", None) is None:
         memo.runtime = Runtime(Settings())
     rt = runtime(memo)
-    settings.peering.lifetime = rt.settings.peering_lifetime_seconds
     if rt.kube is None:
         rt.kube = make_kube(rt)
-    if rt.settings.webhook is not None:
-        from asyncgrpo.controller.webhook import server
-
-        settings.admission.server = server(rt.settings.webhook)
-        settings.admission.managed = "validate.asyncgrpo.dev"
 
 
 def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:

@@ -136,12 +136,13 @@ def _summarize(body: kopf.Body, memo: kopf.Memo, resource: kopf.Resource,
 
 
 def _children(kwargs: dict[str, Any], key: tuple[str, str]) -> list[observe.Child]:
-    out: list[observe.Child] = []
+    # one entry per object: after a peering pause kopf re-lists into the same index, and a
+    # pool that saw each pod twice would stop growing
+    out: dict[tuple[str, str], observe.Child] = {}
     for idx in CHILD_RESOURCES:
-        store = kwargs[idx].get(key)
-        if store:
-            out.extend(store)
-    return out
+        for child in kwargs[idx].get(key) or ():
+            out[(child.kind, child.name)] = child
+    return list(out.values())
 
 
 def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: Any) -> None:

@@ -52,6 +52,12 @@ def test_dashboard_reads_only_exported_metrics():
     from asyncgrpo.controller.progress import METRICS
 
     names = {m.name for m in OperatorMetrics().registry.collect()}
+    try:
+        from asyncgrpo.trainer.metrics import METRICS as TRAINER
+        from asyncgrpo.trainer.metrics import PREFIX
+        names |= {PREFIX + n.removesuffix("_total") for n in TRAINER}
+    except ImportError:   # an operator-only install: trainer names from the progress contract
+        pass
     exported = names | {f"{n}_total" for n in names} | {f"{n}_bucket" for n in names} | set(METRICS)
     dash = json.loads((CHART / "files" / "dashboard.json").read_text())
     import re

@@ -154,8 +154,13 @@ def test_ttl_after_finished_deletes_the_run(api, ns, s3_server):
     kubelet(api, ns, component("short", "trainer"), ready=False, terminated=0)
     wait_for(lambda: api.run(ns, "short").get("status", {}).get("phase") == "Succeeded",
              what="Succeeded")
-    wait_for(lambda: api.get("AsyncGRPORun", ns, "short") is None, timeout=30,
-             what="deleted after its TTL")
+    try:
+        wait_for(lambda: api.get("AsyncGRPORun", ns, "short") is None, timeout=30,
+                 what="deleted after its TTL")
+    except AssertionError as e:   # say what the run looked like (a known flake: see report)
+        obj = api.get("AsyncGRPORun", ns, "short") or {}
+        raise AssertionError(f"{e}; run metadata {obj.get('metadata')}, status "
+                             f"{(obj.get('status') or {}).get('phase')}") from None
 
 
 def test_no_api_writes_at_steady_state(api, ns, s3_server, peers):
@@ -179,6 +184,11 @@ def test_no_api_writes_at_steady_state(api, ns, s3_server, peers):
     status = api.run(ns, "steady")["status"]
     assert status["policyVersion"] == 3 and status["throughput"]["treeCompressionRatio"] == 2.5
 
+    # earlier tests' namespaces are being torn down by the namespace controller (deletes
+    # from every client are counted): measure once they are gone
+    wait_for(lambda: not [n for n in api.call("GET", "/api/v1/namespaces")["items"]
+                          if n["status"].get("phase") == "Terminating"],
+             timeout=120, what="earlier namespaces gone")
     time.sleep(3)   # let events and the last status patch land
     before, events_before = api.write_requests(RESOURCES), operator_events(api)
     time.sleep(6)   # six resync periods of every run the shared operator holds

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from asyncgrpo.api.validation import FieldError
 from asyncgrpo.controller.bucket import BucketError
 from asyncgrpo.controller.observe import Child, summarize
@@ -110,12 +112,24 @@ def test_suspended():
 
 def test_trainer_metrics_are_mirrored():
     p = parse("# HELP x\nasyncgrpo_trainer_step 12\nasyncgrpo_trainer_policy_version 4\n"
-              "asyncgrpo_trainer_served_policy_version 3\n"
-              "asyncgrpo_trainer_unique_tokens_per_second 10.5\nother_metric 1\n")
+              "asyncgrpo_trainer_served_logprob_diff 0.3\n"
+              "asyncgrpo_trainer_forwarded_tokens_per_second 10.5\nother_metric 1\n")
     status, _ = compute(SPEC, running_obs(progress=p), {}, "T")
     assert status["step"] == 12 and status["policyVersion"] == 4
     assert status["throughput"] == {"uniqueTokensPerSecond": 10.5}
-    assert conds(status)["AdapterInSync"]["reason"] == "Lagging"
+    assert conds(status)["AdapterInSync"]["reason"] == "ServedPolicyMismatch"
+    p.served_logprob_diff = 0.01
+    assert conds(compute(SPEC, running_obs(progress=p), {}, "T")[0])["AdapterInSync"][
+        "status"] == "True"
+
+
+def test_progress_metric_names_are_the_trainers():
+    pytest.importorskip("asyncgrpo.trainer.metrics")
+    from asyncgrpo.controller.progress import METRICS
+    from asyncgrpo.trainer.metrics import METRICS as TRAINER
+    from asyncgrpo.trainer.metrics import PREFIX
+
+    assert set(METRICS) <= {PREFIX + name for name in TRAINER}
 
 
 def test_sandbox_conditions():

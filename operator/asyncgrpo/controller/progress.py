@@ -1,7 +1,8 @@
 """Training progress, read from the trainer's Prometheus endpoint and mirrored into status.
 
 The contract with the trainer is the metric names below (rank 0's endpoint on
-spec.trainer.metricsPort). A missing metric leaves the field as it was: the trainer may not
+spec.trainer.metricsPort; `asyncgrpo.trainer.metrics` defines them, a test keeps the two
+in step). A missing metric leaves the field as it was: the trainer may not
 have finished a step yet, and status must never go backwards because of a failed scrape.
 """
 
@@ -15,18 +16,22 @@ from prometheus_client.parser import text_string_to_metric_families
 METRICS = {
     "asyncgrpo_trainer_step": "step",
     "asyncgrpo_trainer_policy_version": "policy_version",
-    "asyncgrpo_trainer_served_policy_version": "served_policy_version",
     "asyncgrpo_trainer_raw_tokens_per_second": "raw_tokens_per_second",
-    "asyncgrpo_trainer_unique_tokens_per_second": "unique_tokens_per_second",
+    "asyncgrpo_trainer_forwarded_tokens_per_second": "unique_tokens_per_second",
     "asyncgrpo_trainer_tree_compression_ratio": "tree_compression_ratio",
+    "asyncgrpo_trainer_served_logprob_diff": "served_logprob_diff",
 }
+
+#: Largest |served - trained| log-prob on the trainer's probe that still counts as in sync
+#: (the trainer's own default, ASYNCGRPO_PROBE_TOLERANCE).
+PROBE_TOLERANCE = 0.05
 
 
 @dataclass
 class Progress:
     step: int | None = None
     policy_version: int | None = None
-    served_policy_version: int | None = None
+    served_logprob_diff: float | None = None
     raw_tokens_per_second: float | None = None
     unique_tokens_per_second: float | None = None
     tree_compression_ratio: float | None = None
@@ -40,8 +45,8 @@ def parse(text: str) -> Progress:
             if attr is None:
                 continue
             value = sample.value
-            setattr(out, attr, int(value) if attr in ("step", "policy_version",
-                                                       "served_policy_version") else float(value))
+            setattr(out, attr, int(value) if attr in ("step", "policy_version")
+                    else float(value))
     return out
 
 

@@ -16,7 +16,7 @@ from asyncgrpo.api.v1alpha1 import AsyncGRPORunSpec
 from asyncgrpo.api.validation import FieldError
 from asyncgrpo.controller.bucket import BucketError
 from asyncgrpo.controller.observe import Child
-from asyncgrpo.controller.progress import Progress
+from asyncgrpo.controller.progress import PROBE_TOLERANCE, Progress
 
 PENDING, STARTING, RUNNING, SUSPENDED, SUCCEEDED, FAILED = (
     "Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed")
@@ -224,15 +224,19 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
 
 
 def _adapter_condition(p: Progress | None) -> dict[str, Any]:
+    """The trainer probes vLLM with `policy-v<N>` after publishing N and exports the largest
+    log-prob difference between served and trained policy (asyncgrpo.adapters.probe)."""
     if p is None or p.policy_version is None:
         return _cond("AdapterInSync", None, "NoPolicyYet", "the trainer has not published yet")
-    if p.served_policy_version is None:
+    if p.served_logprob_diff is None or p.served_logprob_diff != p.served_logprob_diff:
         return _cond("AdapterInSync", None, "NotProbed",
-                     f"policy v{p.policy_version} published; served version unknown")
-    if p.served_policy_version >= p.policy_version:
-        return _cond("AdapterInSync", True, "InSync", f"vLLM serves policy v{p.policy_version}")
-    return _cond("AdapterInSync", False, "Lagging", f"vLLM serves v{p.served_policy_version}, "
-                 f"newest is v{p.policy_version}")
+                     f"policy v{p.policy_version} published; not probed on vLLM yet")
+    if p.served_logprob_diff <= PROBE_TOLERANCE:
+        return _cond("AdapterInSync", True, "InSync", f"vLLM serves policy v{p.policy_version} "
+                     f"(probe log-prob difference {p.served_logprob_diff:.2g})")
+    return _cond("AdapterInSync", False, "ServedPolicyMismatch",
+                 f"vLLM's policy v{p.policy_version} differs from the trained one by "
+                 f"{p.served_logprob_diff:.3g} nats on the probe (tolerance {PROBE_TOLERANCE})")
 
 
 def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, Any]], generation: int,

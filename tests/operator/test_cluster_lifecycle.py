@@ -25,9 +25,13 @@ def operator_events(api) -> int:
 
 def bring_up(api, ns, name):
     """Play the kubelet until the run is Running."""
-    wait_for(lambda: kubelet(api, ns, component(name, "vllm")), what="vllm pods")
-    wait_for(lambda: api.get("StatefulSet", ns, f"{name}-trainer")["spec"]["replicas"] > 0,
-             what="trainer scaled up")
+    def vllm_ready_and_trainer_up() -> bool:
+        # keep marking vLLM pods ready: a Deployment's replicas appear one by one
+        kubelet(api, ns, component(name, "vllm"))
+        trainer = api.get("StatefulSet", ns, f"{name}-trainer")
+        return bool(trainer) and trainer["spec"]["replicas"] > 0
+
+    wait_for(vllm_ready_and_trainer_up, what="vLLM ready and trainer scaled up")
     wait_for(lambda: kubelet(api, ns, component(name, "trainer")), what="trainer pod")
     wait_for(lambda: api.run(ns, name)["status"]["phase"] == "Running", what="Running")
 

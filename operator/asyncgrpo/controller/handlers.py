@@ -68,6 +68,10 @@ def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     ks.watching.server_timeout = 300
     ks.watching.client_timeout = 330
     ks.peering.lifetime = settings.peering_lifetime_seconds
+    # A deleted run waits for its timer to exit before kopf drops the finalizer; a sync timer
+    # caught mid-tick cannot be cancelled, and kopf's default re-check (60 s) would hold the
+    # deletion that long. Re-check about as often as the timer ticks.
+    ks.background.cancellation_polling = max(1.0, min(5.0, settings.resync_seconds))
     if settings.webhook is not None:
         from asyncgrpo.controller.webhook import server
 

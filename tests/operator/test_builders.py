@@ -116,13 +116,29 @@ def test_trainer_waits_and_suspends_at_zero():
 
 
 def test_user_env_wins_and_credentials_come_from_the_secret():
-    run = run_of(**{"spec.trainer.env": [{"name": "ASYNCGRPO_RESUME", "value": "never"}]})
+    run = run_of(**{"spec.trainer.env": [{"name": "ASYNCGRPO_PROBE_TOLERANCE", "value": "0.1"},
+                                         {"name": "ASYNCGRPO_METRICS_PORT", "value": "9999"}]})
     env = trainer.build_statefulset(run)["spec"]["template"]["spec"]["containers"][0]["env"]
-    resume = [e for e in env if e["name"] == "ASYNCGRPO_RESUME"]
-    assert resume == [{"name": "ASYNCGRPO_RESUME", "value": "never"}]
+    assert [e for e in env if e["name"] == "ASYNCGRPO_METRICS_PORT"] == [
+        {"name": "ASYNCGRPO_METRICS_PORT", "value": "9999"}]
+    assert {"name": "ASYNCGRPO_PROBE_TOLERANCE", "value": "0.1"} in env
     key = next(e for e in env if e["name"] == "AWS_SECRET_ACCESS_KEY")
     assert key["valueFrom"]["secretKeyRef"] == {"name": "s3-credentials",
                                                 "key": "AWS_SECRET_ACCESS_KEY"}
+
+
+def test_a_configmap_data_source_is_mounted_where_the_trainer_reads_it():
+    from asyncgrpo.trainer.data import DEFAULT_CONFIGMAP_DIR
+
+    run = run_of("moe-expert-parallel.yaml")
+    pod = trainer.build_statefulset(run)["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data")
+    assert mount == {"name": "data", "mountPath": DEFAULT_CONFIGMAP_DIR, "readOnly": True}
+    volume = next(v for v in pod["volumes"] if v["name"] == "data")
+    assert volume["configMap"] == {"name": "moe-prompts", "items": [
+        {"key": "prompts.jsonl", "path": "prompts.jsonl"}]}
+    plain = trainer.build_statefulset(run_of("lora-math.yaml"))["spec"]["template"]["spec"]
+    assert all(v["name"] != "data" for v in plain["volumes"])
 
 
 def test_vllm_serves_lora_from_the_bucket():

@@ -67,10 +67,15 @@ def test_suspend_scales_to_zero_keeps_the_bucket_and_resume_restarts(api, ns, s3
              what="vLLM back")
     wait_for(lambda: len(api.list("Pod", ns, component("pause", "sandbox"))) >= 2,
              what="pool back")
-    # the trainer resumes from the newest checkpoint: the operator tells it so
-    env = api.get("StatefulSet", ns, "pause-trainer")["spec"]["template"]["spec"][
-        "containers"][0]["env"]
-    assert {"name": "ASYNCGRPO_RESUME", "value": "latest"} in env
+
+    def dependencies_ready_and_trainer_back() -> bool:
+        # new vLLM and gateway pods: play their kubelet until the trainer is started again
+        # (it resumes from the newest complete checkpoint in the bucket)
+        kubelet(api, ns, component("pause", "vllm"))
+        kubelet(api, ns, component("pause", "gateway"))
+        return api.get("StatefulSet", ns, "pause-trainer")["spec"]["replicas"] > 0
+
+    wait_for(dependencies_ready_and_trainer_back, what="trainer back")
 
 
 @pytest.mark.parametrize("policy", ["Retain", "Delete"])

@@ -11,7 +11,7 @@ from asyncgrpo.api import parse_run
 from asyncgrpo.trainer.bucket import Bucket, s3_client
 from asyncgrpo.trainer.data import DataError, epoch_order, load_dataset, parse_jsonl
 from asyncgrpo.trainer.metrics import METRICS, PREFIX, TrainerMetrics
-from asyncgrpo.trainer.runtime_env import RuntimeEnv, RuntimeEnvError, torchrun_args
+from asyncgrpo.trainer.runtime_env import RuntimeEnv, RuntimeEnvError
 
 LINES = [
     {"prompt": "What is 2 + 3?", "answer": "5"},
@@ -108,14 +108,6 @@ def test_runtime_env_parses_and_refuses_bad_values():
         RuntimeEnv.from_env({"ASYNCGRPO_ADAPTER_NAME_PREFIX": "policy"})
     with pytest.raises(RuntimeEnvError, match="not an integer"):
         RuntimeEnv.from_env({"ASYNCGRPO_METRICS_PORT": "x"})
-
-
-def test_torchrun_args_for_a_statefulset():
-    run = run_with({"path": "/d"}, replicas=3, gpusPerReplica=2)
-    args = torchrun_args(run, master_addr="r-trainer-0.r-trainer")
-    assert args[:3] == ["torchrun", "--nnodes=3", "--nproc_per_node=2"]
-    assert "--master_addr=r-trainer-0.r-trainer" in args and args[-2:] == ["--config",
-                                                                           "/etc/asyncgrpo/run.yaml"]
 
 
 def test_metrics_endpoint_serves_every_documented_name_and_status():

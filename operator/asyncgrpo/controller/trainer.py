@@ -34,6 +34,7 @@ from asyncgrpo.controller.common import (
     tmp_volume,
 )
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, secret_name
+from asyncgrpo.trainer.data import DEFAULT_CONFIGMAP_DIR
 
 COMPONENT = "trainer"
 CONFIG_HASH_ANNOTATION = "asyncgrpo.dev/config-hash"
@@ -61,7 +62,6 @@ def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
         {"name": "ASYNCGRPO_MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "ASYNCGRPO_VLLM_URL", "value": f"http://{name(run, 'vllm')}:{VLLM_PORT}"},
         {"name": "ASYNCGRPO_METRICS_PORT", "value": str(t.metrics_port)},
-        {"name": "ASYNCGRPO_RESUME", "value": "latest"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "HOME", "value": "/tmp"},
     ]
@@ -105,6 +105,22 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
     """`replicas` overrides the spec: 0 while suspended or while vLLM is not ready yet."""
     t = run.spec.trainer
     config_hash = spec_hash({"spec": trainer_view(run)})
+    volume_mounts = [
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes = [
+        {"name": "config", "configMap": {"name": name(run, configmap.COMPONENT)}},
+        tmp_volume(),
+        tmp_volume("dshm", medium="Memory"),
+    ]
+    data_cm = run.spec.data.config_map
+    if data_cm is not None:  # the trainer reads <DEFAULT_CONFIGMAP_DIR>/<key>
+        volume_mounts.append({"name": "data", "mountPath": DEFAULT_CONFIGMAP_DIR,
+                              "readOnly": True})
+        volumes.append({"name": "data", "configMap": {
+            "name": data_cm.name, "items": [{"key": data_cm.key, "path": data_cm.key}]}})
     container = {
         "name": "trainer",
         "image": t.image,
@@ -114,11 +130,7 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
                   {"name": "metrics", "containerPort": t.metrics_port}],
         "resources": resources(t.resources, t.gpus_per_replica),
         "securityContext": container_security(),
-        "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-        ],
+        "volumeMounts": volume_mounts,
         "readinessProbe": {"httpGet": {"path": "/metrics", "port": "metrics"},
                            "periodSeconds": 10},
     }
@@ -130,11 +142,7 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
             "automountServiceAccountToken": False,
             "securityContext": pod_security(),
             "containers": [container],
-            "volumes": [
-                {"name": "config", "configMap": {"name": name(run, configmap.COMPONENT)}},
-                tmp_volume(),
-                tmp_volume("dshm", medium="Memory"),
-            ],
+            "volumes": volumes,
         },
     }
     return stamp({

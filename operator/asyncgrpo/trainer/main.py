@@ -1,7 +1,7 @@
 """One trainer process: the run file in, TRL's AsyncGRPOTrainer configured from it, trained.
 
-Run as `asyncgrpo trainer --config run.yaml`, alone or under torchrun (see
-`runtime_env.torchrun_args`). The run model is the only configuration; deployment facts
+Run as `asyncgrpo trainer --config run.yaml`, alone or under torchrun (the operator's
+StatefulSet command is `asyncgrpo.controller.trainer.torchrun_command`). The run model is the only configuration; deployment facts
 come from the environment (`runtime_env`). The mapping from the run to TRL's config is
 `trl_config`, kept pure so it can be read and tested without a model.
 """

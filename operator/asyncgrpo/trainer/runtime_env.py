@@ -35,8 +35,8 @@ ASYNCGRPO_DATA_DIR             where a data.configMap source is mounted (default
 ASYNCGRPO_FAULT_CORRUPT_VERSIONS  fault injection for tests and drills: comma-separated
                                versions overwritten in the bucket right after publishing
 ASYNCGRPO_LOG_LEVEL            Python log level (default INFO)
-RANK, WORLD_SIZE, LOCAL_RANK,  set by torchrun; see `torchrun_args` for the StatefulSet
-MASTER_ADDR, MASTER_PORT
+RANK, WORLD_SIZE, LOCAL_RANK,  set by torchrun (the operator's StatefulSet command is
+MASTER_ADDR, MASTER_PORT       asyncgrpo.controller.trainer.torchrun_command)
 =============================  ==========================================================
 """
 
@@ -50,8 +50,6 @@ from asyncgrpo.trainer.distributed import Topology
 
 DEFAULT_WORK_DIR = "/tmp/asyncgrpo-trainer"
 DEFAULT_NAME_PREFIX = "policy-v"
-#: Port torchrun's rendezvous listens on in rank 0's pod.
-RENDEZVOUS_PORT = 29500
 
 
 class RuntimeEnvError(ValueError):
@@ -134,23 +132,3 @@ class RuntimeEnv:
             raise RuntimeEnvError("ASYNCGRPO_VLLM_URL is not set: the trainer needs the vLLM "
                                   "server's root URL (e.g. http://<run>-vllm:8000)")
         return self.vllm_url
-
-
-def torchrun_args(run, *, node_rank: str = "$(NODE_RANK)", master_addr: str,
-                  config_path: str = "/etc/asyncgrpo/run.yaml") -> list[str]:
-    """The trainer container's command for a run: torchrun over `trainer.replicas` pods.
-
-    `master_addr` is rank 0's stable name (`<sts>-0.<headless service>`); `node_rank` the
-    pod's ordinal (the StatefulSet's `apps.kubernetes.io/pod-index` label through the
-    downward API, exposed as NODE_RANK). Static rendezvous: every pod knows the world size.
-    """
-    t = run.spec.trainer
-    return [
-        "torchrun",
-        f"--nnodes={t.replicas}",
-        f"--nproc_per_node={max(t.gpus_per_replica, 1)}",
-        f"--node_rank={node_rank}",
-        f"--master_addr={master_addr}",
-        f"--master_port={RENDEZVOUS_PORT}",
-        "-m", "asyncgrpo.cli", "trainer", "--config", config_path,
-    ]

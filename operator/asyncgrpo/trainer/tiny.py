@@ -11,18 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 
 #: Dense Qwen3: 2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), head_dim 16.
-DENSE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
+DENSE = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
 
 #: Qwen3-MoE: the dense shapes with 4 experts, 2 routed per token, in every layer.
 MOE = dict(

@@ -64,11 +64,10 @@ def test_world_size_counts_cpu_nodes_as_one_process():
 @pytest.mark.parametrize("case", SCHEMA_INVALID + SEMANTIC_INVALID, ids=lambda c: c[0])
 def test_invalid_run_names_the_field(case):
     _, make, field = case
-    run, errors = validate_run(make())
+    _, errors = validate_run(make())
     assert errors, "expected the run to be refused"
     paths = [e.path for e in errors]
-    assert any(p == field or p.startswith(field + ".") or p.startswith(field + "[")
-               for p in paths), paths
+    assert any(p == field or p.startswith((field + ".", field + "[")) for p in paths), paths
 
 
 def test_there_are_at_least_ten_distinct_invalid_cases_of_each_kind():
@@ -109,7 +108,7 @@ def test_reward_enum_matches_builtin_names():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "asyncgrpo.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
 
 
 def test_validate_cli_accepts_examples():

@@ -32,13 +32,15 @@ COMPONENT = "vllm"
 CACHE_DIR = "/var/cache/asyncgrpo"
 
 
-def server_args(run: AsyncGRPORun) -> list[str]:
+def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
+                model: str | None = None) -> list[str]:
+    """vLLM's arguments for a run; the local backend passes loopback and a local model path."""
     m, r = run.spec.model, run.spec.rollout
     args = [
-        "--model", m.name,
+        "--model", model or m.name,
         "--dtype", m.dtype,
-        "--host", "0.0.0.0",
-        "--port", str(VLLM_PORT),
+        "--host", host,
+        "--port", str(port),
         "--max-model-len", str(r.max_model_len),
         "--tensor-parallel-size", str(r.tensor_parallel_size),
         "--gpu-memory-utilization", str(r.gpu_memory_utilization),

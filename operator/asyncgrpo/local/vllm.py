@@ -123,10 +123,32 @@ def start_vllm_server(
     ``env`` adds to (and overrides) the environment: pass the resolver's
     ``ASYNCGRPO_ADAPTER_*`` and the S3 credentials there.
     """
+    port = free_port()
+    args = [
+        "--model", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", dtype,
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", "8",
+        "--enable-lora",
+        "--max-lora-rank", str(max_lora_rank),
+        "--max-loras", str(max_loras),
+        "--seed", "0",
+        *(extra_args or []),
+    ]
+    return launch_vllm(args, port=port, model=str(model), log_path=log_path, env=env,
+                       kvcache_gib=kvcache_gib, threads=threads, bucket=bucket, cpus=cpus)
+
+
+def launch_vllm(args: list[str], *, port: int, model: str, log_path: Path,
+                env: dict[str, str] | None = None, kvcache_gib: int = 1, threads: int = 1,
+                bucket: str = "", cpus: set[int] | None = None) -> VLLMServer:
+    """Start `vllm.entrypoints.openai.api_server ARGS` (which must listen on 127.0.0.1:`port`)
+    from the vLLM venv, with the resolver plugin and CPU settings, and wait for /health."""
     py = vllm_python()
     if py is None:
         raise FileNotFoundError(f"no vLLM venv at {vllm_venv()}; run hack/setup-vllm-venv.sh")
-    port = free_port()
     full_env = {
         **os.environ,
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
@@ -151,20 +173,7 @@ def start_vllm_server(
     # same everywhere).
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(PACKAGE_ROOT)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else []))
-    cmd = [
-        str(py), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--dtype", dtype,
-        "--max-model-len", str(max_model_len),
-        "--max-num-seqs", "8",
-        "--enable-lora",
-        "--max-lora-rank", str(max_lora_rank),
-        "--max-loras", str(max_loras),
-        "--seed", "0",
-        *(extra_args or []),
-    ]
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", *args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,

@@ -158,6 +158,16 @@ def _complete_checkpoints(client, bucket: str, run: str) -> list[int]:
                   for o in resp.get("Contents", []) if o["Key"].endswith("/COMPLETE"))
 
 
+def _wait_or_kill(proc: subprocess.Popen) -> int | None:
+    """The trainer's exit code; a trainer still running at the deadline is killed (group)."""
+    try:
+        return proc.wait(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-6000:] if log.exists() else ""
 
@@ -217,12 +227,7 @@ def test_lora_training_through_the_bucket_with_refusal_and_restart(
     # -- phase 2: a fresh pod resumes from the bucket ----------------------------------------
     work2, log2 = tmp_path / "pod2", tmp_path / "trainer2.log"
     second = _start(config, _env(vllm_server, s3_server, run, work2, free_port()), log2, cores)
-    try:
-        rc = second.wait(timeout=DEADLINE_S)
-    finally:
-        if second.poll() is None:
-            os.killpg(second.pid, signal.SIGKILL)
-            second.wait(timeout=30)
+    rc = _wait_or_kill(second)
     assert rc == 0, _tail(log2)
     st2 = _status(work2)
     assert st2["resumed_from_step"] == ckpt
@@ -284,12 +289,7 @@ def test_two_rank_fsdp2_trainer_trains_and_resumes(vllm_server, s3_server, cores
                                     start_new_session=True)
         if cores:
             _pin(proc.pid, cores)
-        try:
-            rc = proc.wait(timeout=DEADLINE_S)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        rc = _wait_or_kill(proc)
         assert rc == 0, _tail(log)
         return _status(work)
 

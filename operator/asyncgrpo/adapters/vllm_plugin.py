@@ -54,7 +54,6 @@ from asyncgrpo.adapters.store import (
     AdapterNotFound,
     AdapterStore,
     AdapterStoreError,
-    StoreUnavailable,
     parse_adapter_name,
 )
 
@@ -144,10 +143,7 @@ class S3AdapterResolver:
         except AdapterCorrupt as e:
             log.error("LoRA %r refused: corrupt version: %s", lora_name, e)
             return None
-        except StoreUnavailable as e:
-            log.error("LoRA %r not resolved: %s", lora_name, e)
-            return None
-        except AdapterStoreError as e:
+        except AdapterStoreError as e:  # StoreUnavailable, request errors
             log.error("LoRA %r not resolved: %s", lora_name, e)
             return None
         except Exception as e:  # never let an error reach vLLM's 500 path

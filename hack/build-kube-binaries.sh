@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver and kube-controller-manager for the test cluster from Debian's
-# `kubernetes` source package (no registry serves these binaries here) and caches them.
+# Builds the test cluster's Kubernetes binaries from Debian's `kubernetes` source package
+# (no registry serves them here) and caches them: the control plane (kube-apiserver,
+# kube-controller-manager, kube-scheduler) and the node (kubelet, kube-proxy).
 #
-# Output: $ASYNCGRPO_CACHE/kube/bin/{kube-apiserver,kube-controller-manager,etcd}
+# Output: $ASYNCGRPO_CACHE/kube/bin/{kube-apiserver,kube-controller-manager,kube-scheduler,
+#         kubelet,kube-proxy,etcd}
 # Skips everything when the cached binaries exist. Set KUBEBUILDER_ASSETS to use envtest
 # binaries instead (the test harness prefers them; this script is then not needed).
 set -euo pipefail
 
 cache="${ASYNCGRPO_CACHE:-$HOME/.cache/asyncgrpo}/kube"
 bin="$cache/bin"
-if [[ -x "$bin/kube-apiserver" && -x "$bin/kube-controller-manager" && -x "$bin/etcd" ]]; then
+components=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
+missing=()
+for c in "${components[@]}"; do [[ -x "$bin/$c" ]] || missing+=("$c"); done
+if ((${#missing[@]} == 0)) && [[ -x "$bin/etcd" ]]; then
   echo "kube binaries cached in $bin"
   exit 0
 fi
@@ -53,9 +58,12 @@ cp -r /usr/share/gocode/src/github.com/modern-go/reflect2 vendor/github.com/mode
 rm -rf vendor/github.com/modern-go/reflect2/.git
 
 export GOFLAGS=-mod=vendor GO111MODULE=on KUBE_GIT_VERSION=v1.20.2 KUBE_GIT_TREE_STATE=clean
-make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" GOFLAGS=-mod=vendor KUBE_VERBOSE=1
-out=$(find _output -type f -name kube-apiserver -path '*bin*' | head -n1)
-cp "$(dirname "$out")/kube-apiserver" "$(dirname "$out")/kube-controller-manager" "$bin/"
+# Only what is missing: a cache from before the node existed keeps its control plane.
+make WHAT="${missing[*]/#/cmd/}" GOFLAGS=-mod=vendor KUBE_VERBOSE=1
+for c in "${missing[@]}"; do
+  out=$(find _output -type f -name "$c" -path '*bin*' | head -n1)
+  cp "$out" "$bin/"
+done
 ln -sf "$(command -v etcd)" "$bin/etcd"
 # The build tree is large; the binaries are all the tests need.
 cd "$cache" && rm -rf "$cache/src"

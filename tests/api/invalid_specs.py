@@ -103,4 +103,15 @@ SEMANTIC_INVALID = [
                                                                 ["10.0.0.0/33"]}})),
      "spec.sandboxes.network.allowedEgressCidrs[0]"),
     ("run-name-too-long", _mutate(("metadata.name", "r" * 60)), "metadata.name"),
+    # unknown args of a built-in reward would arrive as data columns and be ignored
+    ("reward-unknown-arg", _mutate(("spec.reward.functions", [
+        {"name": "numeric_match", "args": {"answer_field": "answer"}}])),
+     "spec.reward.functions[0].args"),
+    ("sandbox-reward-command-not-test-command", _mutate(
+        ("spec.sandboxes", {}),
+        ("spec.reward.functions", [{"name": "sandbox_tests", "args": {"command": "pytest"}}])),
+     "spec.reward.functions[0].args"),
+    ("vllm-gpus-below-tp", _mutate(("spec.rollout.tensorParallelSize", 2),
+                                   ("spec.rollout.gpusPerReplica", 1)),
+     "spec.rollout.gpusPerReplica"),
 ]

@@ -90,7 +90,7 @@ def test_trainer_statefulset_for_torchrun():
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["ASYNCGRPO_NNODES"] == str(run.spec.trainer.replicas)
     assert env["ASYNCGRPO_NPROC"] == str(run.spec.trainer.gpus_per_replica)
-    assert env["ASYNCGRPO_WORLD_SIZE"] == str(run.world_size)
+    assert "ASYNCGRPO_WORLD_SIZE" not in env and "POD_NAME" not in env  # nothing reads them
     assert env["ASYNCGRPO_MASTER_ADDR"] == f"{run.metadata.name}-trainer-0.{run.metadata.name}-trainer"
     assert env["ASYNCGRPO_VLLM_URL"] == f"http://{run.metadata.name}-vllm:8000"
     assert "${HOSTNAME##*-}" in c["command"][2]
@@ -103,6 +103,13 @@ def test_trainer_statefulset_for_torchrun():
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     svc = trainer.build_service(run)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    # every pod answers its probe (not only global rank 0's), on a path every pod serves
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    # the root filesystem is read-only: what the trainer writes is mounted
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {env["ASYNCGRPO_WORK_DIR"], "/tmp", "/var/cache/asyncgrpo"} <= mounts
+    assert env["HF_HOME"].startswith("/var/cache/asyncgrpo/")
 
 
 def test_trainer_waits_and_suspends_at_zero():

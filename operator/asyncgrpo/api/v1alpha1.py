@@ -208,6 +208,11 @@ class RolloutSpec(Model):
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=16, description="GPUs per vLLM replica (--tensor-parallel-size)."
     )
+    gpus_per_replica: int | None = Field(
+        default=None, ge=0, le=16,
+        description="GPUs each vLLM pod requests; unset: tensorParallelSize. 0 runs vLLM on "
+        "CPU (vllm-cpu images; tiny models, tests).",
+    )
     max_loras: int = Field(
         default=4, ge=1, le=64,
         description="Adapters a replica holds at once (--max-loras); policy versions in flight.",

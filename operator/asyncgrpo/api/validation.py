@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from asyncgrpo import API_GROUP, KIND
 from asyncgrpo.api.v1alpha1 import DNS_LABEL, AsyncGRPORun
+from asyncgrpo.trainer.rewards import accepted_args
 
 #: Children append up to 13 characters ("-sandbox-" + 4) to the run name; keep them DNS labels.
 MAX_RUN_NAME = 50
@@ -93,6 +94,11 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
         err("metadata.name", f"must be a DNS label of at most {MAX_RUN_NAME} characters "
             f"(children append suffixes), got {name!r}")
 
+    if r.gpus_per_replica and r.gpus_per_replica < r.tensor_parallel_size:
+        err("spec.rollout.gpusPerReplica", f"{r.gpus_per_replica} GPUs cannot hold "
+            f"tensorParallelSize {r.tensor_parallel_size}: request at least as many (or 0 "
+            "for a CPU vLLM)")
+
     world = run.world_size
     fsdp = t.fsdp_size or world
     if world % fsdp:
@@ -136,6 +142,11 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
             err(f"{at}.module", f"module is only read with name: python (name is {fn.name})")
         if fn.name == "sandbox_tests" and s.sandboxes is None:
             err(f"{at}.name", "sandbox_tests runs tests in a sandbox: add spec.sandboxes")
+        accepted = accepted_args(fn.name)
+        unknown = sorted(set(fn.args) - accepted) if accepted is not None else []
+        if unknown:  # a built-in reward would receive them as data columns and ignore them
+            err(f"{at}.args", f"{fn.name} takes no {', '.join(unknown)}; its args are "
+                f"{', '.join(sorted(accepted))}")
         if fn.name == "regex_match" and "pattern" not in fn.args:
             err(f"{at}.args", "regex_match needs args.pattern")
         if "pattern" in fn.args:

@@ -38,6 +38,10 @@ from asyncgrpo.trainer.data import DEFAULT_CONFIGMAP_DIR
 
 COMPONENT = "trainer"
 CONFIG_HASH_ANNOTATION = "asyncgrpo.dev/config-hash"
+#: scratch (TRL's output dir, checkpoint staging, status.json) and the Hugging Face cache,
+#: both emptyDirs: the image's defaults are on its read-only root
+WORK_DIR = "/var/lib/asyncgrpo"
+HF_HOME = "/var/cache/asyncgrpo/hf"
 
 
 def torchrun_command(run: AsyncGRPORun) -> list[str]:
@@ -56,13 +60,14 @@ def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
     env = [
         {"name": "ASYNCGRPO_NNODES", "value": str(t.replicas)},
         {"name": "ASYNCGRPO_NPROC", "value": str(max(t.gpus_per_replica, 1))},
-        {"name": "ASYNCGRPO_WORLD_SIZE", "value": str(run.world_size)},
         {"name": "ASYNCGRPO_MASTER_ADDR",
          "value": f"{name(run, COMPONENT)}-0.{name(run, COMPONENT)}"},
         {"name": "ASYNCGRPO_MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "ASYNCGRPO_VLLM_URL", "value": f"http://{name(run, 'vllm')}:{VLLM_PORT}"},
         {"name": "ASYNCGRPO_METRICS_PORT", "value": str(t.metrics_port)},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # the root filesystem is read-only: every path the trainer writes is an emptyDir
+        {"name": "ASYNCGRPO_WORK_DIR", "value": WORK_DIR},
+        {"name": "HF_HOME", "value": HF_HOME},
         {"name": "HOME", "value": "/tmp"},
     ]
     if run.spec.sandboxes is not None:
@@ -109,11 +114,15 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "work", "mountPath": WORK_DIR},
+        {"name": "cache", "mountPath": "/var/cache/asyncgrpo"},
     ]
     volumes = [
         {"name": "config", "configMap": {"name": name(run, configmap.COMPONENT)}},
         tmp_volume(),
         tmp_volume("dshm", medium="Memory"),
+        tmp_volume("work"),
+        tmp_volume("cache"),
     ]
     data_cm = run.spec.data.config_map
     if data_cm is not None:  # the trainer reads <DEFAULT_CONFIGMAP_DIR>/<key>
@@ -131,8 +140,9 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
         "resources": resources(t.resources, t.gpus_per_replica),
         "securityContext": container_security(),
         "volumeMounts": volume_mounts,
-        "readinessProbe": {"httpGet": {"path": "/metrics", "port": "metrics"},
-                           "periodSeconds": 10},
+        # every pod's local rank 0 serves it (asyncgrpo.trainer.metrics), not only rank 0's
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"},
+                           "periodSeconds": 5},
     }
     pod = {
         "metadata": {"labels": pod_labels(run, COMPONENT),

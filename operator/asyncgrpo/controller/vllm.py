@@ -72,11 +72,14 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
     container = {
         "name": "vllm",
         "image": r.image,
-        "command": ["python", "-m", "vllm.entrypoints.openai.api_server"],
+        # the module, not the `vllm` script (whose metadata lookup fails in some builds);
+        # python3 is the name every vLLM image has
+        "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
         "args": server_args(run),
         "env": merge_env(server_env(run), r.env),
         "ports": [{"name": "http", "containerPort": VLLM_PORT}],
-        "resources": resources(r.resources, r.tensor_parallel_size),
+        "resources": resources(r.resources, r.tensor_parallel_size
+                               if r.gpus_per_replica is None else r.gpus_per_replica),
         "securityContext": container_security(),
         # model loading takes minutes; the startup probe keeps liveness out of the way
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"},

@@ -139,9 +139,13 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
     env.work_dir.mkdir(parents=True, exist_ok=True)
 
     metrics = TrainerMetrics() if top.is_main else None
+    # one endpoint per pod (local rank 0): rank 0's has the training numbers, the others
+    # answer their pod's readiness probe and a scrape
+    pod_endpoint = metrics if metrics is not None else (
+        TrainerMetrics.for_node(top.rank) if top.local_rank == 0 else None)
     port = run.spec.trainer.metrics_port if env.metrics_port is None else env.metrics_port
-    if metrics is not None and port:
-        bound = metrics.serve(port)
+    if pod_endpoint is not None and port:
+        bound = pod_endpoint.serve(port)
         log.info("metrics on :%d/metrics, hints on :%d/status", bound, bound)
 
     store, checkpoints, data_bucket = _bucket_parts(run, env, metrics)
@@ -193,8 +197,8 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
         trainer.train(resume_from_checkpoint=resume_dir)
     finally:
         trainer._write_status()
-        if metrics is not None:
-            metrics.close()
+        if pod_endpoint is not None:
+            pod_endpoint.close()
     return 0
 
 

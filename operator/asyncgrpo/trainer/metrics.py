@@ -156,6 +156,23 @@ class TrainerMetrics:
                          daemon=True).start()
         return self._server.server_address[1]
 
+    @classmethod
+    def for_node(cls, rank: int) -> TrainerMetrics:
+        """The endpoint of a trainer pod other than global rank 0's: /healthz for its
+        readiness probe and /metrics with only `asyncgrpo_trainer_node_info`, so every pod a
+        StatefulSet runs answers its probe and a scrape, and no pod but rank 0 reports
+        training numbers (a sum or max over pods stays right)."""
+        node = cls.__new__(cls)
+        node.registry = CollectorRegistry(auto_describe=True)
+        node._m = {}
+        Gauge(PREFIX + "node_info", "A trainer pod that is not global rank 0 (value 1).",
+              ("rank",), registry=node.registry).labels(rank=str(rank)).set(1)
+        node._lock = threading.Lock()
+        node._hints = {}
+        node._state = {"rank": rank}
+        node._server = None
+        return node
+
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()

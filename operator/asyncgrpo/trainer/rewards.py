@@ -170,6 +170,21 @@ REGISTRY: dict[str, RewardFn | None] = {
 }
 
 
+def accepted_args(name: str) -> frozenset[str] | None:
+    """The `args` a built-in reward takes (its keyword-only parameters); None for `python`,
+    whose function is the user's. Everything else a function receives is a data set column,
+    so an unknown arg would vanish silently: validation refuses it instead."""
+    import inspect
+
+    if name == "python":
+        return None
+    fn = REGISTRY[name]
+    if name == "sandbox_tests":  # the delegate owns the parameters (stdlib-only module)
+        fn = importlib.import_module("asyncgrpo.sandbox.rewards").sandbox_tests
+    return frozenset(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 class RewardTerm:
     """One weighted term: `weight * fn(completions, **args, **row columns)`.
 
@@ -185,6 +200,11 @@ class RewardTerm:
             if not module:
                 raise ValueError("reward python needs module: 'package.module:function'")
             load_user_function(module)  # fail at startup, not in the scoring child
+        else:
+            unknown = set(args or {}) - accepted_args(name)
+            if unknown:
+                raise ValueError(f"reward {name}: unknown args {sorted(unknown)}; it takes "
+                                 f"{sorted(accepted_args(name))}")
         self.name = name
         self.weight = float(weight)
         self.args = dict(args or {})

@@ -51,6 +51,9 @@ def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:
             {"name": "ASYNCGRPO_SANDBOX_WORKSPACE", "value": "/workspace"},
             {"name": "ASYNCGRPO_SANDBOX_DEFAULT_TIMEOUT_SECONDS",
              "value": str(sb.exec_timeout_seconds)},
+            # the run's limit is the server's: its own default (600 s) would clamp silently
+            {"name": "ASYNCGRPO_SANDBOX_MAX_TIMEOUT_SECONDS",
+             "value": str(sb.exec_timeout_seconds)},
             {"name": "ASYNCGRPO_SANDBOX_TOKEN",
              "valueFrom": {"secretKeyRef": {"name": secret_name(run), "key": SANDBOX_TOKEN_KEY}}},
         ],

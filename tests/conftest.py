@@ -77,3 +77,29 @@ def crd_installed(kube_dynamic):
 
     install_crd(kube_dynamic, REPO / "crds" / "asyncgrpo.dev_asyncgrporuns.yaml")
     return kube_dynamic.resources.get(api_version="asyncgrpo.dev/v1alpha1", kind="AsyncGRPORun")
+
+
+# ---------------------------------------------------------------- the cluster with a real node
+# Needs root; `make test` installs what else it needs (hack/install-system-deps.sh,
+# hack/build-kube-binaries.sh). Without root the node and e2e tests skip with the reason;
+# ASYNCGRPO_NODE=0 skips them on purpose.
+
+
+@pytest.fixture(scope="session")
+def kube_node(tmp_path_factory):
+    from asyncgrpo.testing.node import ClusterWithNode, NodeUnavailable, check_host
+
+    if os.environ.get("ASYNCGRPO_NODE") == "0":
+        pytest.skip("ASYNCGRPO_NODE=0: the node tests are switched off")
+    if os.geteuid() != 0:
+        pytest.skip("the test node needs root (network namespaces, cgroups, iptables)")
+    try:
+        check_host()
+    except NodeUnavailable as e:  # as root, make test installs everything: a real failure
+        pytest.fail(str(e))
+    whole = ClusterWithNode(tmp_path_factory.mktemp("node-cluster"))
+    whole.start()
+    try:
+        yield whole
+    finally:
+        whole.stop()

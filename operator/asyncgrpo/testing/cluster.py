@@ -39,13 +39,14 @@ def cache_dir() -> Path:
 
 
 def find_binaries() -> dict[str, Path]:
-    """Locate etcd, kube-apiserver and kube-controller-manager, or say how to get them."""
+    """Locate the cluster's binaries (etcd and kube-apiserver at least), or say how to get them."""
     dirs = []
     if os.environ.get("KUBEBUILDER_ASSETS"):
         dirs.append(Path(os.environ["KUBEBUILDER_ASSETS"]))
     dirs.append(cache_dir() / "kube" / "bin")
     found: dict[str, Path] = {}
-    for name in ("etcd", "kube-apiserver", "kube-controller-manager"):
+    for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
+                 "kubelet", "kube-proxy"):
         for d in dirs:
             if (d / name).exists():
                 found[name] = d / name
@@ -64,16 +65,25 @@ def find_binaries() -> dict[str, Path]:
 
 @dataclass
 class TestCluster:
-    """One control plane; use as a context manager or call start()/stop()."""
+    """One control plane; use as a context manager or call start()/stop().
+
+    Without a node (the default) everything listens on 127.0.0.1 and no pod runs. With a
+    node (asyncgrpo.testing.node), the API server listens on the host's end of the node's
+    veth (`bind_address`) so pods reach it through the `kubernetes` Service, the
+    ServiceAccount admission plugin mints pod tokens, and kube-scheduler binds pods.
+    """
 
     workdir: Path
     with_controller_manager: bool = True
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
+    bind_address: str = "127.0.0.1"
+    service_cidr: str = SERVICE_CIDR
+    for_node: bool = False
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.api_port}"
+        return f"https://{self.bind_address}:{self.api_port}"
 
     @property
     def kubeconfig(self) -> Path:
@@ -110,19 +120,25 @@ class TestCluster:
         self._spawn("kube-apiserver", [
             str(bins["kube-apiserver"]),
             "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
-            "--bind-address", "127.0.0.1",
-            "--advertise-address", "127.0.0.1",
+            "--bind-address", self.bind_address,
+            "--advertise-address", self.bind_address,
             "--secure-port", str(self.api_port),
             "--cert-dir", str(pki / "serving"),
             "--token-auth-file", str(self.workdir / "tokens.csv"),
             "--authorization-mode", "RBAC",
-            "--service-cluster-ip-range", SERVICE_CIDR,
+            "--service-cluster-ip-range", self.service_cidr,
             "--service-account-issuer", "https://kubernetes.default.svc",
             "--service-account-key-file", str(pki / "sa.pub"),
             "--service-account-signing-key-file", str(pki / "sa.key"),
             "--allow-privileged=true",
             "--enable-priority-and-fairness=false",
-            "--disable-admission-plugins", "ServiceAccount",
+            # logs/exec: dial the kubelet at its InternalIP (the node has no resolvable name)
+            "--kubelet-preferred-address-types", "InternalIP",
+            "--kubelet-client-certificate", str(pki / "kubelet-client.crt"),
+            "--kubelet-client-key", str(pki / "kubelet-client.key"),
+            # Without a node no pod runs, and pods are admitted without waiting for token
+            # Secrets; with one, pods get their ServiceAccount token as on any cluster.
+            *([] if self.for_node else ["--disable-admission-plugins", "ServiceAccount"]),
         ])
         self._write_kubeconfig()
         self._wait_ready(timeout)
@@ -141,6 +157,17 @@ class TestCluster:
                 "--root-ca-file", str(pki / "serving" / "apiserver.crt"),
                 "--concurrent-gc-syncs", "4",
             ])
+        if self.for_node and "kube-scheduler" in bins:
+            self._spawn("kube-scheduler", [
+                str(bins["kube-scheduler"]),
+                "--kubeconfig", str(self.kubeconfig),
+                "--authentication-kubeconfig", str(self.kubeconfig),
+                "--authorization-kubeconfig", str(self.kubeconfig),
+                "--bind-address", "127.0.0.1",
+                "--secure-port", "0",
+                "--port", "0",
+                "--leader-elect=false",
+            ])
 
     def _make_keys(self, pki: Path) -> None:
         if (pki / "sa.key").exists():
@@ -149,6 +176,12 @@ class TestCluster:
                        check=True, capture_output=True)
         subprocess.run(["openssl", "rsa", "-in", str(pki / "sa.key"), "-pubout",
                         "-out", str(pki / "sa.pub")], check=True, capture_output=True)
+        # the API server's client identity towards kubelets (logs, exec, port-forward)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                        "-subj", "/CN=kube-apiserver-kubelet-client/O=system:masters",
+                        "-keyout", str(pki / "kubelet-client.key"),
+                        "-out", str(pki / "kubelet-client.crt")],
+                       check=True, capture_output=True)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (the child owns it)
@@ -198,7 +231,7 @@ class TestCluster:
 
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
-        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+        for name in _STOP_ORDER:
             proc = self.procs.pop(name, None)
             if proc is None:
                 continue
@@ -211,6 +244,9 @@ class TestCluster:
             (self.workdir / f"{name}.pid").unlink(missing_ok=True)
 
 
+_STOP_ORDER = ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+
+
 def _end(pid: int, sig: int = signal.SIGTERM) -> None:
     try:
         os.killpg(pid, sig)  # started in its own session: its group is its own
@@ -220,7 +256,7 @@ def _end(pid: int, sig: int = signal.SIGTERM) -> None:
 
 def stop_by_pidfiles(workdir: Path) -> None:
     """End the processes a `cluster up` in another shell started (by their PID files)."""
-    for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+    for name in _STOP_ORDER:
         pidfile = workdir / f"{name}.pid"
         if pidfile.exists():
             _end(int(pidfile.read_text()))

@@ -17,29 +17,31 @@ class S3Server:
     secret_key = "testing-secret-key"
     region = "us-east-1"
 
-    def __init__(self, port: int, proc: subprocess.Popen, log=None):
+    def __init__(self, port: int, proc: subprocess.Popen, log=None, host: str = "127.0.0.1"):
         self.port = port
         self.proc = proc
         self._log = log
-        self.endpoint = f"http://127.0.0.1:{port}"
+        self.endpoint = f"http://{host}:{port}"
 
     @classmethod
-    def start(cls, log_path: Path, port: int | None = None) -> S3Server:
-        port = port or free_port()
+    def start(cls, log_path: Path, port: int | None = None,
+              host: str = "127.0.0.1") -> S3Server:
+        """`host`: loopback, or the test node's host address so pods reach it."""
+        port = port or free_port(host)
         log = open(log_path, "w")  # noqa: SIM115 (moto writes it until stop())
         moto = Path(sys.executable).parent / "moto_server"
         proc = subprocess.Popen(
-            [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+            [str(moto), "-H", host, "-p", str(port)],
             stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"},
         )
         try:
-            wait_for_port(port, proc=proc)
+            wait_for_port(port, host=host, proc=proc)
         except Exception:
             proc.kill()
             log.close()
             raise
-        return cls(port, proc, log)
+        return cls(port, proc, log, host)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -84,9 +84,9 @@ class Stack:
         return sh(kubectl, "--kubeconfig", self.kubeconfig, *args, input=input, check=check,
                   timeout=timeout)
 
-    def apply(self, *docs: dict | str) -> None:
-        text = "\n---\n".join(d if isinstance(d, str) else json.dumps(d) for d in docs)
-        self.kubectl("apply", "-f", "-", input=text)
+    def apply(self, *docs: dict) -> None:
+        self.kubectl("apply", "-f", "-",
+                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(docs)}))
 
     def get(self, kind: str, name: str, ns: str) -> dict | None:
         out = self.kubectl("-n", ns, "get", kind, name, "-o", "json", check=False)

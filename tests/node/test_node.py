@@ -27,7 +27,8 @@ def kubectl(whole, *args: str, check: bool = True, input: str | None = None) -> 
 
 
 def apply(whole, *objs: dict) -> None:
-    kubectl(whole, "apply", "-f", "-", input="\n---\n".join(json.dumps(o) for o in objs))
+    kubectl(whole, "apply", "-f", "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}))
 
 
 def wait_for(what, fn, timeout: float = 120.0, interval: float = 0.5):
@@ -113,11 +114,11 @@ def test_pods_cannot_reach_outside_the_node(kube_node):
     kubectl(kube_node, "create", "namespace", ns)
     # TEST-NET-3 (RFC 5737): documentation space, never routed; no packet may leave anyway
     apply(kube_node, pod("egress", ns, ["/bin/busybox", "sh", "-c",
-                                        "wget -T 3 -q -O- http://203.0.113.7/ 2>&1; echo rc=$?"],
+                                        "nc -w 3 203.0.113.7 80 </dev/null 2>&1; echo rc=$?"],
                          restartPolicy="Never"))
     wait_for("egress done", lambda: phase(kube_node, ns, "egress") in ("Succeeded", "Failed"))
     logs = kubectl(kube_node, "-n", ns, "logs", "egress")
-    assert "rc=1" in logs and "unreachable" in logs.lower(), logs
+    assert "rc=1" in logs and "network is unreachable" in logs.lower(), logs
     kubectl(kube_node, "delete", "namespace", ns, "--wait=false")
 
 

@@ -1,0 +1,167 @@
+"""More whole runs on the test node: sandboxes, two trainer pods, faults, a GPU ask.
+
+Each is driven only through the API server (kubectl apply, get, delete), as a user or an
+on-call engineer would; the pods run the project's images.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import OPERATOR_NAMESPACE, wait_for
+from .test_tiny_lora_run import prompts_configmap, tiny_run
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow]
+
+
+def status_of(stack, name: str, ns: str) -> dict:
+    return (stack.get("agr", name, ns) or {}).get("status", {})
+
+
+def wait_step(stack, name: str, ns: str, step: int, timeout: float = 900) -> dict:
+    return wait_for(f"{name} at step {step}", lambda: status_of(stack, name, ns)
+                    if status_of(stack, name, ns).get("step", 0) >= step else None,
+                    timeout=timeout, on_timeout=lambda: stack.describe(ns)
+                    + stack.logs(ns, "app.kubernetes.io/component=trainer"))
+
+
+def wait_phase(stack, name: str, ns: str, timeout: float = 900) -> dict:
+    def terminal():
+        s = status_of(stack, name, ns)
+        return s if s.get("phase") in ("Succeeded", "Failed") else None
+
+    return wait_for(f"{name} finished", terminal, timeout=timeout,
+                    on_timeout=lambda: stack.describe(ns)
+                    + stack.logs(ns, "app.kubernetes.io/component=trainer"))
+
+
+def published_versions(stack, bucket: str) -> list[int]:
+    """Policy versions whose manifest is in the bucket (complete versions only)."""
+    s3 = stack.s3.client()
+    versions = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", []):
+            parts = o["Key"].split("/")
+            if "adapters" in parts and parts[-1] == "manifest.json":
+                versions.append(int(parts[parts.index("adapters") + 1].lstrip("v")))
+    return sorted(versions)
+
+
+def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
+    stack, ns = e2e_stack, "team-agents"
+    stack.namespace(ns)
+    run = tiny_run("agents", ns, stack.s3.endpoint, steps=3)
+    run["spec"]["harness"] = {"type": "multi-turn", "maxTurns": 2, "tools": ["shell"]}
+    run["spec"]["sandboxes"] = {"minWarm": 1, "max": 3, "hardCap": 4, "execTimeoutSeconds": 30}
+    # the reward runs inside a sandbox: 1 when the answer holds a digit, else 0
+    run["spec"]["reward"] = {"functions": [{"name": "sandbox_tests", "args": {
+        "test_command": "grep -q '[0-9]' solution.py", "extract": False,
+        "timeout_seconds": 20}}]}
+    stack.apply(prompts_configmap(ns), run)
+
+    def pool_size() -> int:
+        out = stack.kubectl("-n", ns, "get", "pods", "-l",
+                            "app.kubernetes.io/component=sandbox", "-o", "name", check=False)
+        return len(out.split())
+
+    wait_for("a ready sandbox pod", lambda: status_of(stack, "agents", ns)
+             .get("sandboxes", {}).get("warm", 0) + status_of(stack, "agents", ns)
+             .get("sandboxes", {}).get("busy", 0) >= 1, timeout=600,
+             on_timeout=lambda: stack.describe(ns))
+    sizes = []
+    wait_step(stack, "agents", ns, 1)
+    sizes.append(pool_size())
+    status = wait_phase(stack, "agents", ns)
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert status["sandboxes"]["spawnedTotal"] >= 1
+    # the pool grew from the gateway's demand: more pods than minWarm at some point
+    gateway_metrics = stack.kubectl("-n", ns, "exec", "deploy/agents-gateway", "--",
+                                    "python3", "-c",
+                                    "import urllib.request;print(urllib.request.urlopen("
+                                    "'http://127.0.0.1:8080/metrics').read().decode())",
+                                    check=False)
+    trainer_log = stack.logs(ns, "app.kubernetes.io/component=trainer")
+    print(f"\nE2E multi-turn: pool sizes {sizes}, spawned {status['sandboxes']}")
+    assert status["sandboxes"]["spawnedTotal"] >= 2 or max(sizes) >= 2, (sizes, status)
+    execs = [line for line in gateway_metrics.splitlines()
+             if line.startswith("asyncgrpo_gateway_execs_total") or "exec" in line.split("{")[0]]
+    assert execs, gateway_metrics[-2000:]
+    assert "rewards/sandbox_tests" in trainer_log or status["step"] == 3
+
+
+def test_two_trainer_pods_train_one_run_over_gloo(e2e_stack):
+    stack, ns = e2e_stack, "team-two"
+    stack.namespace(ns)
+    stack.apply(prompts_configmap(ns), tiny_run("duo", ns, stack.s3.endpoint, steps=2,
+                                                replicas=2))
+    wait_for("both trainer pods Ready", lambda: (stack.get("sts", "duo-trainer", ns) or {})
+             .get("status", {}).get("readyReplicas") == 2, timeout=900,
+             on_timeout=lambda: stack.describe(ns)
+             + stack.logs(ns, "app.kubernetes.io/component=trainer"))
+    conditions = {c["type"]: c["status"] for c in status_of(stack, "duo", ns)["conditions"]}
+    assert conditions.get("TrainerReady") == "True", conditions
+    status = wait_phase(stack, "duo", ns)
+    assert status["phase"] == "Succeeded" and status["step"] == 2, json.dumps(status, indent=1)
+
+
+def test_faults_vllm_killed_trainer_deleted_operator_restarted(e2e_stack):
+    """The run survives what a cluster does to pods, with no policy version lost or repeated."""
+    stack, ns = e2e_stack, "team-faults"
+    stack.namespace(ns)
+    stack.apply(prompts_configmap(ns), tiny_run("sturdy", ns, stack.s3.endpoint, steps=8))
+    wait_step(stack, "sturdy", ns, 1)
+
+    # 1. kill the vLLM server process: the kubelet restarts the container, training goes on
+    vllm_pod = stack.kubectl("-n", ns, "get", "pods", "-l", "app.kubernetes.io/component=vllm",
+                             "-o", "jsonpath={.items[0].metadata.name}")
+    stack.kubectl("-n", ns, "exec", vllm_pod, "--", "python3", "-c",
+                  "import os,signal; os.kill(1, signal.SIGKILL)", check=False)
+    at = status_of(stack, "sturdy", ns).get("step", 0)
+    wait_step(stack, "sturdy", ns, at + 1)
+    restarts = stack.kubectl("-n", ns, "get", "pod", vllm_pod, "-o",
+                             "jsonpath={.status.containerStatuses[0].restartCount}")
+    assert int(restarts or 0) >= 1
+
+    # 2. delete the trainer pod mid-run: the StatefulSet recreates it, it resumes from the
+    #    bucket checkpoint; no policy version is skipped or published twice
+    wait_step(stack, "sturdy", ns, 3)
+    stack.kubectl("-n", ns, "delete", "pod", "sturdy-trainer-0", "--wait=false")
+
+    # 3. restart the operator mid-run: nothing is created twice
+    before = stack.kubectl("-n", ns, "get", "sts,deploy,svc,networkpolicy", "-o", "name")
+    stack.kubectl("-n", OPERATOR_NAMESPACE, "rollout", "restart", "deploy/asyncgrpo")
+    stack.kubectl("-n", OPERATOR_NAMESPACE, "rollout", "status", "deploy/asyncgrpo",
+                  "--timeout=300s", timeout=320)
+    status = wait_phase(stack, "sturdy", ns, timeout=1200)
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    after = stack.kubectl("-n", ns, "get", "sts,deploy,svc,networkpolicy", "-o", "name")
+    assert sorted(before.split()) == sorted(after.split())
+    versions = published_versions(stack, "e2e-sturdy")
+    assert versions == sorted(set(versions)), versions
+    assert versions[-1] - versions[0] + 1 == len(versions), f"a version was skipped: {versions}"
+
+
+def test_a_run_asking_for_a_gpu_says_why_it_waits(e2e_stack):
+    stack, ns = e2e_stack, "team-gpu"
+    stack.namespace(ns)
+    run = tiny_run("wants-gpu", ns, stack.s3.endpoint, steps=2)
+    run["spec"]["rollout"]["gpusPerReplica"] = 1
+    stack.apply(prompts_configmap(ns), run)
+
+    def waiting_reason():
+        for c in status_of(stack, "wants-gpu", ns).get("conditions", []):
+            if c["type"] == "RolloutReady" and c["status"] == "False" \
+                    and "nvidia.com/gpu" in c.get("message", ""):
+                return c
+        return None
+
+    cond = wait_for("RolloutReady=False naming the GPU", waiting_reason, timeout=300,
+                    on_timeout=lambda: stack.describe(ns))
+    assert cond["reason"] == "Unschedulable", cond
+    events = stack.kubectl("-n", ns, "get", "events", "--field-selector",
+                           "involvedObject.kind=AsyncGRPORun", "-o", "json")
+    messages = [e["message"] for e in json.loads(events)["items"]]
+    assert any("nvidia.com/gpu" in m for m in messages), messages
+    stack.kubectl("-n", ns, "delete", "agr", "wants-gpu", "--wait=true", timeout=180)

@@ -6,7 +6,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help test test-fast demo crd lint system-deps kube-binaries vllm-venv helm clean
+.PHONY: help test test-fast demo crd lint system-deps kube-binaries vllm-venv helm images images-containerd image-constraints clean
+
+# The trainer image's torch: cpu here and in tests; cuda for GPU clusters (README: Images).
+TORCH_VARIANT ?= cpu
 
 help:
 	@echo "make test       set up everything (venvs, cluster binaries, vLLM CPU venv) and run all tests"
@@ -14,6 +17,8 @@ help:
 	@echo "make demo       run the embedded default (local processes, no cluster)"
 	@echo "make crd        regenerate the CRD (crds/, the chart) and docs/api-reference.md from asyncgrpo.api"
 	@echo "make lint       ruff + hadolint"
+	@echo "make images     build the four images with podman (TORCH_VARIANT=cpu|cuda, IMAGE_REGISTRY, IMAGE_TAG)"
+	@echo "make images-containerd  import them into containerd's k8s.io namespace (a local node)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +42,20 @@ vllm-venv:
 helm:
 	bash hack/get-helm.sh
 
-test: $(VENV)/.installed system-deps kube-binaries vllm-venv helm
+# The four images (podman; official bases where they can be pulled, local stand-ins otherwise;
+# cached in ~/.cache/asyncgrpo and podman's layers: seconds when nothing changed).
+images:
+	TORCH_VARIANT=$(TORCH_VARIANT) bash hack/build-images.sh
+
+# ... and into containerd's k8s.io namespace, for a kubelet on this machine (imagePullPolicy: Never)
+images-containerd: images
+	bash hack/import-images-containerd.sh
+
+# images/constraints.txt: the versions the images install, from the tested .venv
+image-constraints: $(VENV)/.installed
+	bash hack/image-constraints.sh $(PY)
+
+test: $(VENV)/.installed system-deps kube-binaries vllm-venv helm images
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed system-deps kube-binaries helm
@@ -54,7 +72,7 @@ crd: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check operator tests bench
-	for f in images/*/Dockerfile; do $(VENV)/bin/hadolint $$f || exit 1; done
+	for f in images/*/Dockerfile hack/standin/*.Containerfile; do $(VENV)/bin/hadolint $$f || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Builds the four images (operator, sandbox, trainer, vllm) from images/*/Dockerfile and tags
+# them as the chart and the operator's defaults expect: $IMAGE_REGISTRY/<name>:$IMAGE_TAG
+# (ghcr.io/asyncgrpo/<name>:<pyproject version>).
+#
+# Usage: hack/build-images.sh [NAME...]     (default: all four)
+# Env:   TORCH_VARIANT=cpu|cuda (trainer torch; default cuda, `make images` passes cpu)
+#        IMAGE_REGISTRY, IMAGE_TAG  (names; e.g. your registry for `podman push`)
+#        ASYNCGRPO_STANDIN=auto|1|0 (bases: hack/build-base-images.sh)
+#        CONTAINER_ENGINE=podman|docker (default: podman when installed)
+#
+# Fast when nothing changed: bases are cached (hack/build-base-images.sh), podman reuses its
+# layers, and the Dockerfiles install dependencies from pyproject.toml before copying the
+# code, so a code change rebuilds only the small code layers. Each image carries a label with
+# the hash of its inputs (Dockerfile, pyproject.toml, README.md, operator/, build arguments,
+# base image); an image whose label matches is not rebuilt at all.
+# Per-image times go to stderr and to ~/.cache/asyncgrpo/images/last-build.tsv.
+set -euo pipefail
+# shellcheck source=hack/images-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/images-lib.sh"
+
+TORCH_VARIANT="${TORCH_VARIANT:-cuda}"
+engine="${CONTAINER_ENGINE:-}"
+if [[ -z "$engine" ]]; then
+  if command -v podman >/dev/null || ! command -v docker >/dev/null; then engine=podman; else engine=docker; fi
+fi
+names=("$@")
+((${#names[@]})) || names=("${IMAGES[@]}")
+timings="$IMAGES_CACHE/last-build.tsv"
+mkdir -p "$IMAGES_CACHE"
+: >"$timings"
+
+# Hash of everything a build reads from the repository (the .dockerignore'd context) + args.
+inputs_hash() {
+  local name="$1"; shift
+  {
+    printf '%s\n' "$@"
+    cd "$REPO_ROOT"
+    find images/"$name"/Dockerfile images/constraints.txt .dockerignore pyproject.toml README.md operator -type f \
+      -not -path '*/__pycache__/*' -not -name '*.pyc' -not -path '*.egg-info/*' -print0 \
+      | sort -z | xargs -0 sha256sum
+  } | sha256sum | cut -c1-32
+}
+
+timed() {
+  local label="$1" start=$SECONDS; shift
+  "$@"
+  printf '%s\t%s\n' "$label" "$((SECONDS - start))" >>"$timings"
+  log "$label: $((SECONDS - start)) s"
+}
+
+if [[ "$engine" == docker ]]; then
+  # A normal Docker host: official bases, BuildKit secrets for the host's pip settings.
+  for name in "${names[@]}"; do
+    args=(--build-arg "TORCH_VARIANT=$TORCH_VARIANT")
+    ca="$(ca_bundle)" && args+=(--secret "id=cacert,src=$ca")
+    timed "$name" docker build "${args[@]}" -f "$REPO_ROOT/images/$name/Dockerfile" \
+      -t "$IMAGE_REGISTRY/$name:$IMAGE_TAG" "$REPO_ROOT"
+  done
+  exit 0
+fi
+
+ensure_podman
+start=$SECONDS
+python_base=""; vllm_base=""
+for name in "${names[@]}"; do
+  case "$name" in
+    vllm) [[ -n "$vllm_base" ]] || vllm_base="$(bash "$REPO_ROOT/hack/build-base-images.sh" vllm | cut -d= -f2-)" ;;
+    operator|sandbox|trainer)
+      [[ -n "$python_base" ]] || python_base="$(bash "$REPO_ROOT/hack/build-base-images.sh" python | cut -d= -f2-)" ;;
+    *) echo "unknown image: $name (one of: ${IMAGES[*]})" >&2; exit 2 ;;
+  esac
+done
+printf 'bases\t%s\n' "$((SECONDS - start))" >>"$timings"
+
+for name in "${names[@]}"; do
+  ref="$IMAGE_REGISTRY/$name:$IMAGE_TAG"
+  args=()
+  wheels=0
+  case "$name" in
+    vllm) args+=(--build-arg "VLLM_IMAGE=$vllm_base") ; base="$vllm_base" ;;
+    *) args+=(--build-arg "PYTHON_IMAGE=$python_base") ; base="$python_base" ;;
+  esac
+  if [[ "$name" == trainer ]]; then
+    args+=(--build-arg "TORCH_VARIANT=$TORCH_VARIANT")
+    if [[ "$TORCH_VARIANT" == cpu ]]; then
+      # the CPU wheel from the cache directory, not PyPI's CUDA build or a remote index
+      ensure_torch_wheel
+      args+=(--build-arg "TORCH_CPU_INDEX_URL=")
+      wheels=1
+    fi
+  fi
+  key="$(inputs_hash "$name" "${args[@]}" "$(podman image inspect --format '{{.Id}}' "$base")")"
+  if image_exists "$ref" && [[ "$(image_label "$ref" dev.asyncgrpo.inputs)" == "$key" ]]; then
+    log "$ref is up to date"
+    printf '%s\t0\n' "$name" >>"$timings"
+    continue
+  fi
+  log "building $ref"
+  WITH_WHEELS=$wheels timed "$name" build "${args[@]}" --label "dev.asyncgrpo.inputs=$key" \
+    -f "$REPO_ROOT/images/$name/Dockerfile" -t "$ref" "$REPO_ROOT"
+done
+podman images --format '{{.Repository}}:{{.Tag}}\t{{.Size}}' | grep -F "$IMAGE_REGISTRY/" >&2 || true

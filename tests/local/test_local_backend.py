@@ -74,6 +74,14 @@ def test_local_run_refuses_a_run_without_endpoint(tmp_path):
     assert "spec.adapterStore.endpoint" in result.stderr
 
 
+def test_local_run_refuses_a_config_map_data_source(tmp_path):
+    def mutate(doc):
+        doc["spec"]["data"] = {"configMap": {"name": "prompts", "key": "prompts.jsonl"}}
+    result, _ = _local_run(tmp_path, mutate=mutate)
+    assert result.returncode == 1
+    assert "spec.data.configMap" in result.stderr and "spec.data.path" in result.stderr
+
+
 def test_local_run_names_a_missing_vllm_venv(tmp_path):
     result, _ = _local_run(tmp_path, env={"ASYNCGRPO_VLLM_VENV": str(tmp_path / "nowhere")})
     assert result.returncode == 1
@@ -108,7 +116,7 @@ def test_sandbox_pods_and_gateway_run_as_built(tmp_path):
     workdir.chmod(0o711)
     placement = build_placement(run, pods, workdir, s3_credentials={
         "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"})
-    procs = [translate(p.name, p.spec, p.spec["containers"][0], placement) for p in pods]
+    procs = [translate(p.name, p.spec["containers"][0], placement) for p in pods]
     started: list = []
     try:
         for lp in procs:  # sandboxes first, then the gateway: each until its probe answers

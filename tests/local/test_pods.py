@@ -35,7 +35,7 @@ def local(example: str, tmp_path: Path, sandboxes: int = 2, max_steps: int | Non
     pods = run_pods(run, sandboxes)
     placement = build_placement(run, pods, tmp_path, s3_credentials=CREDS,
                                 max_steps=max_steps, cpus={"trainer": {0}, "vllm": {1}})
-    procs = {p.name: translate(p.name, p.spec, p.spec["containers"][0], placement) for p in pods}
+    procs = {p.name: translate(p.name, p.spec["containers"][0], placement) for p in pods}
     return run, pods, placement, procs
 
 
@@ -126,7 +126,7 @@ def test_two_trainer_nodes_meet_at_node_zero(tmp_path):
     pods = run_pods(run, 0)
     placement = build_placement(run, pods, tmp_path / "w", s3_credentials=CREDS)
     nodes = [p for p in pods if p.component == "trainer"]
-    words = [sh_words(translate(p.name, p.spec, p.spec["containers"][0], placement))
+    words = [sh_words(translate(p.name, p.spec["containers"][0], placement))
              for p in nodes]
     master = placement.addresses[nodes[0].name]
     assert [w[w.index("--nnodes=2")] for w in words] == ["--nnodes=2"] * 2
@@ -177,16 +177,23 @@ def container(**kw) -> dict:
 
 
 def test_paths_are_rewritten_by_mount_prefix_only():
-    lp = translate("p-0", {}, container(args=[
+    lp = translate("p-0", container(args=[
         "/tmp", "/tmp/a", "--f=/etc/app/run.yaml", '--c "/etc/app/x"', "/tmpx", "/var/tmp",
         "/etc/apples"]), placement())
     assert lp.argv[1:] == ["/L/tmp", "/L/tmp/a", "--f=/L/cfg/run.yaml", '--c "/L/cfg/x"',
                            "/tmpx", "/var/tmp", "/etc/apples"]
 
 
+def test_a_rewritten_path_is_not_rewritten_again():
+    """One pass: a local directory named like a Service (a --workdir called `q`) stays."""
+    p = placement(volumes={"p-0": {"tmp": "/w/q", "cfg": "/w/0.0.0.0"}})
+    lp = translate("p-0", container(args=["/tmp/x", "/etc/app", "http://q"]), p)
+    assert lp.argv[1:] == ["/w/q/x", "/w/0.0.0.0", "http://127.9.9.2"]
+
+
 def test_hosts_and_ports_are_rewritten_only_where_they_name_one():
     p = placement(ports={8000: 18000})
-    lp = translate("p-0", {}, container(
+    lp = translate("p-0", container(
         args=["--port", "8000", "--max-model-len", "8000", "--host", "0.0.0.0",
               "--master-port=8000", "http://q:8000/v1", "q-0.q:8000", "qq", "q.example.com"],
         env=[{"name": "A_PORT", "value": "8000"}, {"name": "N", "value": "8000"},
@@ -203,7 +210,7 @@ def test_hosts_and_ports_are_rewritten_only_where_they_name_one():
 def test_env_layers_image_then_machine_then_pod_then_placement():
     p = placement(env={"HOME": "/machine", "M": "1"}, overrides={"p-0": {"X": "local"}},
                   pythonpath=("/checkout",))
-    lp = translate("p-0", {}, container(env=[{"name": "X", "value": "pod"},
+    lp = translate("p-0", container(env=[{"name": "X", "value": "pod"},
                                              {"name": "HOME", "value": "/tmp"}]), p)
     assert lp.env["HOME"] == "/L/tmp" and lp.env["M"] == "1" and lp.env["X"] == "local"
     assert lp.env["PATH"] == "/venv/bin" and lp.env["PYTHONPATH"] == "/checkout"
@@ -214,19 +221,19 @@ def test_what_the_placement_cannot_provide_is_an_error():
     p = placement()
     secret = {"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
     with pytest.raises(PodTranslationError, match="Secret 's'"):
-        translate("p-0", {}, container(env=[secret]), p)
+        translate("p-0", container(env=[secret]), p)
     optional = {"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k",
                                                             "optional": True}}}
-    assert "S" not in translate("p-0", {}, container(env=[optional]), p).env
+    assert "S" not in translate("p-0", container(env=[optional]), p).env
     with pytest.raises(PodTranslationError, match="fieldRef"):
-        translate("p-0", {}, container(env=[{"name": "U", "valueFrom": {
+        translate("p-0", container(env=[{"name": "U", "valueFrom": {
             "fieldRef": {"fieldPath": "metadata.uid"}}}]), p)
     with pytest.raises(PodTranslationError, match="no local runtime for image"):
-        translate("p-0", {}, container(image="other"), p)
+        translate("p-0", container(image="other"), p)
     with pytest.raises(PodTranslationError, match="ENTRYPOINT"):
-        translate("p-0", {}, container(command=[]), p)
+        translate("p-0", container(command=[]), p)
     with pytest.raises(PodTranslationError, match="no local directory"):
-        translate("p-0", {}, container(volumeMounts=[{"name": "x", "mountPath": "/x"}]), p)
+        translate("p-0", container(volumeMounts=[{"name": "x", "mountPath": "/x"}]), p)
 
 
 def test_dockerfile_env_is_the_last_stage_s():

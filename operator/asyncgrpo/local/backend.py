@@ -72,6 +72,9 @@ class LocalBackend:
                                 "through the bucket; full fine-tuning needs a cluster")
         if s.harness.tools and s.sandboxes is None:
             raise LocalRunError("spec.sandboxes: tools need sandboxes")
+        if s.data.config_map is not None:
+            raise LocalRunError("spec.data.configMap: a ConfigMap lives in a cluster; "
+                                "locally give the prompts as spec.data.path")
 
     # ------------------------------------------------------------------ parts
     def _s3(self) -> str:
@@ -119,7 +122,7 @@ class LocalBackend:
             placement = build_placement(self.run, pods, self.workdir,
                                         s3_credentials=dict(self.env),
                                         max_steps=self.max_steps, cpus=_split_cpus())
-            return pods, {p.name: translate(p.name, p.spec, p.spec["containers"][0], placement)
+            return pods, {p.name: translate(p.name, p.spec["containers"][0], placement)
                           for p in pods}
         except (ValueError, PodTranslationError) as e:
             raise LocalRunError(f"cannot run this run's pods locally: {e}") from None

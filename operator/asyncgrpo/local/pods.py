@@ -96,49 +96,51 @@ def parse_dockerfile_env(text: str) -> dict[str, str]:
 
 
 class _Rewriter:
-    """The string rules of the module docstring for one pod."""
+    """The string rules of the module docstring for one pod, in one pass (a replacement is
+    never scanned again, so a local path that happens to contain a Service name stays)."""
 
-    def __init__(self, pod: str, pod_spec: dict, container: dict, p: LocalPlacement):
+    def __init__(self, pod: str, container: dict, p: LocalPlacement):
         self.p = p
         self.address = p.addresses[pod]
         local_dirs = p.volumes.get(pod, {})
-        mounts = {}
+        self.mounts: dict[str, str] = {}
         for m in container.get("volumeMounts", []):
             if m["name"] not in local_dirs:
                 raise PodTranslationError(f"pod {pod}: volume {m['name']!r} "
                                           f"({m['mountPath']}) has no local directory")
-            mounts[m["mountPath"].rstrip("/") or "/"] = str(
+            self.mounts[m["mountPath"].rstrip("/") or "/"] = str(
                 Path(local_dirs[m["name"]]) / m.get("subPath", ""))
-        self.mounts = mounts
-        self.mount_re = _alternation(mounts, r"(?<![\w./-])(", r")(?=$|[/\s\"':;,])")
-        self.host_re = _alternation(p.hosts, r"(?<![\w.-])(", r")(?::(\d+))?(?![\w.-])")
+        self.pattern = re.compile(
+            rf"(?<![\w./-])(?P<mount>{_alternation(self.mounts)})(?=$|[/\s\"':;,])"
+            rf"|(?<![\w.-])(?P<host>{_alternation(p.hosts)}|0\.0\.0\.0)"
+            r"(?::(?P<port>\d+))?(?![\w.-])")
 
     def port(self, port: int | str) -> str:
         return str(self.p.ports.get(int(port), int(port)))
 
     def string(self, s: str) -> str:
-        if self.mounts:
-            s = self.mount_re.sub(lambda m: self.mounts[m.group(1)], s)
-        if self.p.hosts:
-            s = self.host_re.sub(lambda m: self._host(m.group(1), m.group(2)), s)
-        return _ANY_HOST.sub(lambda m: self.address + (
-            f":{self.port(m.group(1))}" if m.group(1) else ""), s)
+        return self.pattern.sub(self._replace, s)
 
-    def _host(self, name: str, port: str | None) -> str:
-        pod = self.p.hosts[name]
-        if pod not in self.p.addresses:
-            raise PodTranslationError(f"{name} names pod {pod}, which has no local address")
-        return self.p.addresses[pod] + (f":{self.port(port)}" if port else "")
+    def _replace(self, m: re.Match) -> str:
+        if m["mount"] is not None:
+            return self.mounts[m["mount"]]
+        if m["host"] == "0.0.0.0":
+            address = self.address
+        else:
+            pod = self.p.hosts[m["host"]]
+            if pod not in self.p.addresses:
+                raise PodTranslationError(f"{m['host']} names pod {pod}, which has no "
+                                          "local address")
+            address = self.p.addresses[pod]
+        return address + (f":{self.port(m['port'])}" if m["port"] else "")
 
 
-_ANY_HOST = re.compile(r"(?<![\w.])0\.0\.0\.0(?::(\d+))?(?![\w.])")
 _PORT_FLAG = re.compile(r"^(--[\w-]*port)(=\"?)(\d+)(\"?)$")
 
 
-def _alternation(names, head: str, tail: str) -> re.Pattern:
-    # longest first: `run-trainer-0.run-trainer` before `run-trainer`
-    alts = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) or r"(?!)"
-    return re.compile(head + alts + tail)
+def _alternation(names) -> str:
+    # longest first: `run-trainer-0.run-trainer` before `run-trainer`; none: never matches
+    return "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) or r"(?!)"
 
 
 def _value_from(ref: dict, pod: str, address: str, p: LocalPlacement) -> str | None:
@@ -159,9 +161,9 @@ def _value_from(ref: dict, pod: str, address: str, p: LocalPlacement) -> str | N
     raise PodTranslationError(f"pod {pod}: valueFrom {sorted(ref)} is not available locally")
 
 
-def translate(pod: str, pod_spec: dict, container: dict, p: LocalPlacement) -> LocalProcess:
-    """The local process for `container` of pod `pod` (its spec `pod_spec`). Pure: reads no
-    file and starts nothing."""
+def translate(pod: str, container: dict, p: LocalPlacement) -> LocalProcess:
+    """The local process for `container` of the pod named `pod`. Pure: reads no file and
+    starts nothing."""
     image = p.images.get(container["image"])
     if image is None:
         raise PodTranslationError(f"pod {pod}: no local runtime for image {container['image']}")
@@ -170,7 +172,7 @@ def translate(pod: str, pod_spec: dict, container: dict, p: LocalPlacement) -> L
                                   "image's ENTRYPOINT; locally a command is needed")
     if pod not in p.addresses:
         raise PodTranslationError(f"pod {pod} has no local address")
-    rw = _Rewriter(pod, pod_spec, container, p)
+    rw = _Rewriter(pod, container, p)
 
     # literal values are rewritten; values from Secrets and the ambient env are not
     env: dict[str, str] = {k: _port_env(k, rw.string(v), rw) for k, v in image.env.items()}

@@ -68,6 +68,24 @@ def test_local_run_trains_and_stops_everything(tmp_path):
     assert "metrics on 127." in result.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_trainer_pods_train_together(tmp_path):
+    """trainer.replicas 2: two StatefulSet pods, each its own torchrun node, meeting at pod
+    0's address on a rendezvous port of their own (world 2 over gloo)."""
+    if vllm_python() is None:
+        pytest.skip("vLLM venv missing: run hack/setup-vllm-venv.sh (make test does)")
+    result, _ = _local_run(tmp_path, mutate=lambda d: d["spec"]["trainer"].update(replicas=2),
+                           max_steps=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "starting the trainer (2 processes)" in result.stdout
+    assert "run local-tiny finished: step 2" in result.stdout
+    work = tmp_path / "work"
+    node1 = (work / "local-tiny-trainer-1.log").read_text()
+    # pod 1 joined the process group (it serves its pod's endpoint after that) and ended well
+    assert "metrics on :" in node1 and "Traceback" not in node1
+
+
 def test_local_run_refuses_a_run_without_endpoint(tmp_path):
     result, _ = _local_run(tmp_path, mutate=lambda d: d["spec"]["adapterStore"].pop("endpoint"))
     assert result.returncode == 1

@@ -67,6 +67,7 @@ def test_local_tiny_runs_the_builders_pods(tmp_path):
     assert v.env["ASYNCGRPO_ADAPTER_CACHE_DIR"] == f"{cache}/adapters"
     assert v.env["HOSTNAME"] == v.pod and v.env[BIND_HOST_ENV] == v_addr
     assert v.env["AWS_ACCESS_KEY_ID"] == "id"  # the machine's credentials (no Secret named)
+    assert not v.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))  # kept across runs
     assert v.ready_url == f"http://{v_addr}:{VLLM_PORT}/health"
     assert v.cpus == {1} and t.cpus == {0}
 

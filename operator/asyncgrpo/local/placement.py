@@ -33,6 +33,10 @@ IMAGES_DIR = PACKAGE_ROOT.parent / "images"
 WILDCARD_PORTS = frozenset({RENDEZVOUS_PORT})
 #: host variables a pod inherits from the machine (a container gets PATH from its image)
 PASSTHROUGH_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
+#: caches of the machine, kept across runs as a node-local cache volume would be: vLLM's
+#: (model info, compile cache) costs ~40 s of every start when cold, and a pod's HOME is a
+#: fresh emptyDir. The same place vLLM uses outside pods, so the tests' server shares it.
+MACHINE_CACHES = {"VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "vllm")}
 #: what the local backend sets on top of the pods the builders make (--max-steps)
 MAX_STEPS_ENV = "ASYNCGRPO_MAX_STEPS"
 
@@ -181,6 +185,7 @@ def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
         ports=ports,
         secrets=values,
         env={**{k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ},
+             **{k: os.environ.get(k, v) for k, v in MACHINE_CACHES.items()},
              **s3_credentials},
         overrides=overrides,
         # this checkout first (the vLLM venv's editable install may point elsewhere), then

@@ -192,6 +192,25 @@ def test_a_rewritten_path_is_not_rewritten_again():
     assert lp.argv[1:] == ["/w/q/x", "/w/0.0.0.0", "http://127.9.9.2"]
 
 
+def test_the_runs_own_files_are_the_machines_even_under_a_mount(tmp_path):
+    """A model under /tmp is a file of this machine, not of the pod's /tmp emptyDir."""
+    p = placement(host_paths=("/tmp/pytest-x/model",))
+    lp = translate("p-0", container(args=["--model", "/tmp/pytest-x/model", "/tmp/pytest-x/m",
+                                           "/tmp/pytest-x/model/config.json"]), p)
+    assert lp.argv[1:] == ["--model", "/tmp/pytest-x/model", "/L/tmp/pytest-x/m",
+                           "/tmp/pytest-x/model/config.json"]
+    # from a run file: the model's absolute path, when it exists, is a host path
+    doc = yaml.safe_load((REPO / "examples" / "local-tiny.yaml").read_text())
+    doc["spec"]["model"]["name"] = str(tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
+    run = load_run(tmp_path / "run.yaml")
+    pods = run_pods(run, 0)
+    placed = build_placement(run, pods, tmp_path / "w", s3_credentials=CREDS)
+    assert placed.host_paths == (str(tmp_path),)
+    v = translate(pods[0].name, pods[0].spec["containers"][0], placed)
+    assert v.argv[v.argv.index("--model") + 1] == str(tmp_path)
+
+
 def test_hosts_and_ports_are_rewritten_only_where_they_name_one():
     p = placement(ports={8000: 18000})
     lp = translate("p-0", container(

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from asyncgrpo.api import AsyncGRPORun, load_run
+from asyncgrpo.api import AsyncGRPORun
 from asyncgrpo.local.placement import Pod, build_placement, run_pods
-from asyncgrpo.local.pods import LocalProcess, PodTranslationError, translate
+from asyncgrpo.local.pods import BIND_HOST_ENV, LocalProcess, PodTranslationError, translate
 from asyncgrpo.local.processes import ManagedProcess
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -54,11 +54,12 @@ def _split_cpus() -> dict[str, set[int] | None]:
 @dataclass
 class LocalBackend:
     run: AsyncGRPORun
-    run_file: Path
     workdir: Path
     max_steps: int | None = None
     say: Callable[[str], None] = print
-    started: list = field(default_factory=list)  # ManagedProcess | VLLMServer | S3Server
+    started: list = field(default_factory=list)  # ManagedProcess | S3Server
+    #: the trainer's status file: ASYNCGRPO_WORK_DIR of node 0, known once its pod is translated
+    status_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ checks
@@ -150,9 +151,10 @@ class LocalBackend:
                 self.say(f"started {len(by['sandbox'])} sandbox server(s) behind a gateway "
                          f"on {_host_port(procs[pod].ready_url)}")
             nodes = [procs[pod] for pod in by["trainer"]]
+            self.status_path = Path(nodes[0].env["ASYNCGRPO_WORK_DIR"]) / "status.json"
             world = self.run.world_size
             self.say(f"starting the trainer ({world} process{'es' if world > 1 else ''}); "
-                     f"metrics on {nodes[0].env['ASYNCGRPO_BIND_HOST']}:"
+                     f"metrics on {nodes[0].env[BIND_HOST_ENV]}:"
                      f"{nodes[0].env['ASYNCGRPO_METRICS_PORT']}")
             trainers = [self._start(lp, wait=False) for lp in nodes]
             last_step = -1
@@ -181,14 +183,11 @@ class LocalBackend:
         finally:
             self.stop()
 
-    @property
-    def trainer_work_dir(self) -> Path:
-        """The trainer pod 0's work emptyDir (ASYNCGRPO_WORK_DIR): status.json is there."""
-        return self.workdir / f"{self.run.metadata.name}-trainer-0" / "work"
-
     def trainer_status(self) -> dict | None:
+        if self.status_path is None:
+            return None
         try:
-            return json.loads((self.trainer_work_dir / "status.json").read_text())
+            return json.loads(self.status_path.read_text())
         except (OSError, ValueError):
             return None
 
@@ -261,8 +260,3 @@ def _progress_line(status: dict) -> str:
     return (f"step {status.get('step')}: reward {reward if reward is None else round(reward, 3)}"
             f", policy v{status.get('policy_version', 0)}")
 
-
-def run_file_locally(run_file: Path, workdir: Path, *, max_steps: int | None = None,
-                     say: Callable[[str], None] = print) -> int:
-    run = load_run(run_file)
-    return LocalBackend(run, run_file, workdir, max_steps=max_steps, say=say).run_to_completion()

@@ -147,6 +147,13 @@ def _volumes(run: AsyncGRPORun, pod: Pod, workdir: Path) -> dict[str, str]:
     return out
 
 
+def host_paths(run: AsyncGRPORun) -> tuple[str, ...]:
+    """The run's local files named by absolute path (model, prompts): the machine's, even
+    under a mountPath such as /tmp."""
+    named = [run.spec.model.name, run.spec.data.path]
+    return tuple(p for p in named if p and os.path.isabs(p) and os.path.exists(p))
+
+
 def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
                     s3_credentials: dict[str, str], max_steps: int | None = None,
                     cpus: dict[str, set[int] | None] | None = None) -> LocalPlacement:
@@ -192,6 +199,7 @@ def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
         # where the run is started from: user reward modules are importable from there
         pythonpath=(str(PACKAGE_ROOT), os.getcwd()),
         namespace=run.metadata.namespace or "default",
+        host_paths=host_paths(run),
         cpus={p.name: frozenset(cpus[p.component]) for p in pods
               if cpus and cpus.get(p.component)},
     )

@@ -15,7 +15,9 @@ Rules, applied to the container's command + args and to every env value:
   (the project venv for the trainer and sandbox images, the vLLM venv for vLLM).
 * mountPath -> local directory: a path equal to or under a volume mount is rewritten by
   prefix to the directory the placement gives that volume (ConfigMap contents written
-  there, emptyDirs fresh). Other image paths are left as they are.
+  there, emptyDirs fresh). Other image paths are left as they are, and so are the
+  placement's host paths: the run's own local files (a model under /tmp is the machine's,
+  not the pod's /tmp emptyDir), visible to every process as a hostPath volume would be.
 * Service / pod DNS names -> the pod's loopback address (127.x.y.z; any of them binds
   without configuration), `name:port` -> `address:local port`; `0.0.0.0` -> the pod's
   address, and ASYNCGRPO_BIND_HOST names it to servers that bind without a host flag.
@@ -66,6 +68,7 @@ class LocalPlacement:
     pythonpath: tuple[str, ...] = ()                # first on PYTHONPATH (this checkout)
     namespace: str = "default"
     cpus: Mapping[str, frozenset[int]] = field(default_factory=dict)  # pod -> cpus (pinning)
+    host_paths: tuple[str, ...] = ()                # absolute paths never rewritten
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class _Rewriter:
 
     def _replace(self, m: re.Match) -> str:
         if m["mount"] is not None:
+            rest = m.string[m.start():]
+            if any(rest == h or rest.startswith(h.rstrip("/") + "/") for h in self.p.host_paths):
+                return m[0]
             return self.mounts[m["mount"]]
         if m["host"] == "0.0.0.0":
             address = self.address

@@ -262,3 +262,23 @@ def test_dockerfile_env_is_the_last_stage_s():
     assert parse_dockerfile_env(text) == {"B": "2", "C": "x y", "D": "/p"}
     vllm_env = parse_dockerfile_env((REPO / "images" / "vllm" / "Dockerfile").read_text())
     assert vllm_env["VLLM_PLUGINS"] == "asyncgrpo_s3_lora_resolver"
+
+
+def test_servers_without_a_host_flag_bind_the_pods_address(monkeypatch):
+    """ASYNCGRPO_BIND_HOST is the default host of the sandbox server, the gateway and the
+    trainer's metrics endpoint; unset (in a pod) they bind every interface."""
+    from asyncgrpo.cli import build_parser
+    from asyncgrpo.trainer.metrics import TrainerMetrics
+
+    for argv in (["sandbox", "serve"], ["gateway"]):
+        assert build_parser(argv).parse_args(argv).host == "0.0.0.0"
+    monkeypatch.setenv(BIND_HOST_ENV, "127.77.0.1")
+    for argv in (["sandbox", "serve"], ["gateway"]):
+        assert build_parser(argv).parse_args(argv).host == "127.77.0.1"
+    node = TrainerMetrics.for_node(1)
+    node.serve(0)
+    try:
+        assert node._server.server_address[0] == "127.77.0.1"
+    finally:
+        node._server.shutdown()
+        node._server.server_close()

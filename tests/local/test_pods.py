@@ -280,5 +280,4 @@ def test_servers_without_a_host_flag_bind_the_pods_address(monkeypatch):
     try:
         assert node._server.server_address[0] == "127.77.0.1"
     finally:
-        node._server.shutdown()
-        node._server.server_close()
+        node.close()

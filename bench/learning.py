@@ -55,10 +55,7 @@ def main() -> int:
     spec["adapterStore"]["endpoint"] = f"http://127.0.0.1:{free_port()}"
     spec["trainer"].update(totalSteps=args.steps, checkpointInterval=args.steps,
                            learningRate=args.lr, metricsPort=free_port())
-    run_file = tmp / "run.yaml"
-    run_file.write_text(yaml.safe_dump(doc))
-
-    backend = LocalBackend(parse_run(doc), run_file, tmp / "work", say=lambda _: None)
+    backend = LocalBackend(parse_run(doc), tmp / "work", say=lambda _: None)
     t0 = time.time()
     rc = backend.run_to_completion()
     wall = time.time() - t0

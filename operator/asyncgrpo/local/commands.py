@@ -33,7 +33,7 @@ def _run(args) -> int:
         print(f"{args.file}: {e}", file=sys.stderr)
         return 1
     workdir = args.workdir or Path(".cache") / "local" / run.metadata.name
-    backend = LocalBackend(run, args.file, workdir, max_steps=args.max_steps,
+    backend = LocalBackend(run, workdir, max_steps=args.max_steps,
                            say=lambda line: print(line, flush=True))
     try:
         return backend.run_to_completion()

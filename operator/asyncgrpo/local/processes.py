@@ -20,7 +20,7 @@ class ManagedProcess:
     def start(cls, name: str, argv: list[str], *, env: dict[str, str], log_path: Path,
               cwd: Path | None = None, cpus: set[int] | None = None) -> ManagedProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
+        with open(log_path, "wb") as log:  # a fresh log per start, as a new container's
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     cwd=cwd, start_new_session=True)
         if cpus:

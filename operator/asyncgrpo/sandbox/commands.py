@@ -16,6 +16,9 @@ SANDBOX_TOKEN_ENV = "ASYNCGRPO_SANDBOX_TOKEN"
 GATEWAY_TOKEN_ENV = "ASYNCGRPO_GATEWAY_TOKEN"
 SANDBOX_PORT = 8000
 GATEWAY_PORT = 8080
+#: default bind host of every asyncgrpo server (the local backend sets it to the pod's
+#: loopback address; in a pod it is unset: all interfaces)
+BIND_HOST_ENV = "ASYNCGRPO_BIND_HOST"
 
 
 def _add(p: argparse.ArgumentParser, flag: str, env: str, default, type_=str, help_=""):
@@ -37,11 +40,12 @@ def read_token(env_name: str, file_path: str | None) -> str:
 
 
 def register(subparsers) -> None:
+    bind_host = os.environ.get(BIND_HOST_ENV) or "0.0.0.0"
     sb = subparsers.add_parser("sandbox", help="the sandbox server that runs in each sandbox pod")
     sbsub = sb.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
     serve = sbsub.add_parser("serve", help="serve exec/files/reset over HTTP")
     E = "ASYNCGRPO_SANDBOX_"
-    _add(serve, "--host", E + "HOST", "0.0.0.0")
+    _add(serve, "--host", E + "HOST", bind_host)
     _add(serve, "--port", E + "PORT", SANDBOX_PORT, int)
     _add(serve, "--workspace", E + "WORKSPACE", "/workspace", help_="root of the sessions")
     _add(serve, "--template", E + "TEMPLATE", None,
@@ -65,7 +69,7 @@ def register(subparsers) -> None:
 
     gw = subparsers.add_parser("gateway", help="the per-run gateway that leases sandboxes to rollout groups")
     G = "ASYNCGRPO_GATEWAY_"
-    _add(gw, "--host", G + "HOST", "0.0.0.0")
+    _add(gw, "--host", G + "HOST", bind_host)
     _add(gw, "--port", G + "PORT", GATEWAY_PORT, int)
     _add(gw, "--members", G + "MEMBERS", None,
          help_="comma-separated sandbox base URLs (local mode); omit to watch pods on Kubernetes")

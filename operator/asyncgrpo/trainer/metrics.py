@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -126,8 +127,11 @@ class TrainerMetrics:
 
     # -- endpoint --------------------------------------------------------------------------
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serve /metrics and /status in a daemon thread; returns the bound port."""
+    def serve(self, port: int, host: str | None = None) -> int:
+        """Serve /metrics and /status in a daemon thread; returns the bound port. The host
+        defaults to ASYNCGRPO_BIND_HOST (the local backend's pod address), else all
+        interfaces."""
+        host = host or os.environ.get("ASYNCGRPO_BIND_HOST") or "0.0.0.0"
         metrics = self
 
         class Handler(BaseHTTPRequestHandler):

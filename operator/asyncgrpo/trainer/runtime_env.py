@@ -23,6 +23,8 @@ ASYNCGRPO_ADAPTER_NAME_PREFIX  served adapter name prefix, must end in "-v" (def
 ASYNCGRPO_WORK_DIR             local scratch: TRL output dir, checkpoint staging
                                (default /tmp/asyncgrpo-trainer; give it an emptyDir)
 ASYNCGRPO_METRICS_PORT         overrides spec.trainer.metricsPort (0: no endpoint)
+ASYNCGRPO_BIND_HOST            address the metrics endpoint binds (default: every
+                               interface; the local backend gives each pod its own)
 ASYNCGRPO_PROBE_TOLERANCE      max |served - trained| log-prob on the probe before the
                                ServedPolicyMatches hint turns False (default 0.05)
 ASYNCGRPO_RETRY_ATTEMPTS       tries of each S3 / vLLM call before the step fails

@@ -21,10 +21,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+#: the tag `make images` gave the project's images (hack/images-lib.sh: the same variable)
+IMAGE_TAG = os.environ.get("IMAGE_TAG") or \
+    (REPO / "pyproject.toml").read_text().split('version = "', 1)[1].split('"', 1)[0]
+SANDBOX_IMAGE = f"ghcr.io/asyncgrpo/sandbox:{IMAGE_TAG}"
 E2E_TRAINER_IMAGE = "asyncgrpo.local/trainer-tiny:e2e"
 E2E_VLLM_IMAGE = "asyncgrpo.local/vllm-tiny:e2e"
 MODEL_PATH = "/models/tiny-qwen3"
 OPERATOR_NAMESPACE = "asyncgrpo-system"
+OPERATOR_DEPLOYMENT = "asyncgrpo-operator"  # the chart's fullname for release "asyncgrpo"
 
 
 def _cache() -> Path:
@@ -50,22 +55,37 @@ def sh(*argv: str, input: str | None = None, timeout: float = 600, env=None,
     return out.stdout
 
 
-def _derived_images(workdir: Path) -> dict[str, str]:
-    """trainer and vLLM images with the tiny demo model at MODEL_PATH, built by podman."""
+def _derived_images() -> dict[str, str]:
+    """trainer and vLLM images with the tiny demo model at MODEL_PATH, built by podman.
+
+    The build context is cached, so the model files (and so podman's COPY layer and the
+    image id) stay the same from run to run and the import into containerd is skipped."""
     from asyncgrpo.local.demo import prepare_demo
 
-    ctx = workdir / "tiny-image"
+    ctx = _cache() / "e2e" / "tiny-image"
     model, _ = prepare_demo(ctx)
-    tag = (REPO / "pyproject.toml").read_text().split('version = "', 1)[1].split('"', 1)[0]
     built = {}
-    for base, ref in ((f"ghcr.io/asyncgrpo/trainer:{tag}", E2E_TRAINER_IMAGE),
-                      (f"ghcr.io/asyncgrpo/vllm:{tag}", E2E_VLLM_IMAGE)):
+    for base, ref in ((f"ghcr.io/asyncgrpo/trainer:{IMAGE_TAG}", E2E_TRAINER_IMAGE),
+                      (f"ghcr.io/asyncgrpo/vllm:{IMAGE_TAG}", E2E_VLLM_IMAGE)):
         (ctx / "Containerfile").write_text(
             f"FROM {base}\nCOPY {model.name} {MODEL_PATH}\n")
         sh("podman", "build", "--pull=never", "--isolation", "chroot", "-t", ref,
            "-f", str(ctx / "Containerfile"), str(ctx), env=_image_env())
         built[ref] = base
     return built
+
+
+def _containerd_config_digest(node, ref: str) -> str | None:
+    """The config digest of the image containerd holds under `ref` (= podman's image id)."""
+    listed = node.ctr("images", "ls", f"name=={ref}", check=False).stdout.splitlines()
+    if len(listed) < 2:
+        return None
+    target = listed[1].split()[2]
+    manifest = node.ctr("content", "get", target, check=False).stdout
+    try:
+        return json.loads(manifest).get("config", {}).get("digest")
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -109,7 +129,8 @@ class Stack:
         """What a person would look at when a wait fails."""
         return "\n".join([
             self.kubectl("-n", ns, "get", "agr,pods,events", "-o", "wide", check=False),
-            self.kubectl("-n", OPERATOR_NAMESPACE, "logs", "deploy/asyncgrpo", "--tail", "40",
+            self.kubectl("-n", OPERATOR_NAMESPACE, "logs", f"deploy/{OPERATOR_DEPLOYMENT}",
+                         "--tail", "40",
                          check=False),
         ])
 
@@ -138,11 +159,15 @@ def e2e_stack(kube_node, tmp_path_factory):
     node = kube_node.node
     env = {**_image_env(), "CONTAINERD_ADDRESS": str(node.containerd_socket)}
     sh("bash", str(REPO / "hack" / "import-images-containerd.sh"), env=env, timeout=900)
-    for ref in _derived_images(workdir):
+    for ref in _derived_images():
+        image_id = sh("podman", "image", "inspect", "--format", "{{.Id}}", ref,
+                      env=_image_env()).strip()
+        if _containerd_config_digest(node, ref) == f"sha256:{image_id}":
+            continue  # imported by an earlier run: the store is a cache
         archive = workdir / (ref.replace("/", "_").replace(":", "_") + ".tar")
         sh("podman", "save", "--format", "docker-archive", "-o", str(archive), ref,
            env=_image_env())
-        node.ctr("images", "import", str(archive), timeout=600)
+        node.ctr("images", "import", str(archive), timeout=900)
         archive.unlink()
 
     s3 = S3Server.start(workdir / "s3.log", host=HOST_IP)
@@ -150,7 +175,8 @@ def e2e_stack(kube_node, tmp_path_factory):
     helm = shutil.which("helm") or str(_cache() / "bin" / "helm")
     sh(helm, "--kubeconfig", stack.kubeconfig, "install", "asyncgrpo",
        str(REPO / "charts" / "asyncgrpo"), "--namespace", OPERATOR_NAMESPACE,
-       "--create-namespace", "--set", "operator.resyncSeconds=3", "--wait", "--timeout", "5m")
+       "--create-namespace", "--set", "operator.resyncSeconds=3", "--set",
+       f"image.tag={IMAGE_TAG}", "--wait", "--timeout", "5m")
     try:
         yield stack
     finally:

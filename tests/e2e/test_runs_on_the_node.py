@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from .conftest import OPERATOR_NAMESPACE, wait_for
+from .conftest import OPERATOR_DEPLOYMENT, OPERATOR_NAMESPACE, SANDBOX_IMAGE, wait_for
 from .test_tiny_lora_run import prompts_configmap, tiny_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow]
@@ -54,7 +54,8 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
     stack.namespace(ns)
     run = tiny_run("agents", ns, stack.s3.endpoint, steps=3)
     run["spec"]["harness"] = {"type": "multi-turn", "maxTurns": 2, "tools": ["shell"]}
-    run["spec"]["sandboxes"] = {"minWarm": 1, "max": 3, "hardCap": 4, "execTimeoutSeconds": 30}
+    run["spec"]["sandboxes"] = {"image": SANDBOX_IMAGE, "minWarm": 1, "max": 3, "hardCap": 4,
+                                "execTimeoutSeconds": 30}
     # the reward runs inside a sandbox: 1 when the answer holds a digit, else 0
     run["spec"]["reward"] = {"functions": [{"name": "sandbox_tests", "args": {
         "test_command": "grep -q '[0-9]' solution.py", "extract": False,
@@ -131,8 +132,8 @@ def test_faults_vllm_killed_trainer_deleted_operator_restarted(e2e_stack):
 
     # 3. restart the operator mid-run: nothing is created twice
     before = stack.kubectl("-n", ns, "get", "sts,deploy,svc,networkpolicy", "-o", "name")
-    stack.kubectl("-n", OPERATOR_NAMESPACE, "rollout", "restart", "deploy/asyncgrpo")
-    stack.kubectl("-n", OPERATOR_NAMESPACE, "rollout", "status", "deploy/asyncgrpo",
+    stack.kubectl("-n", OPERATOR_NAMESPACE, "rollout", "restart", f"deploy/{OPERATOR_DEPLOYMENT}")
+    stack.kubectl("-n", OPERATOR_NAMESPACE, "rollout", "status", f"deploy/{OPERATOR_DEPLOYMENT}",
                   "--timeout=300s", timeout=320)
     status = wait_phase(stack, "sturdy", ns, timeout=1200)
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)

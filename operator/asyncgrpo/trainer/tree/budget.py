@@ -28,7 +28,10 @@ from .rollout import Rollout, RolloutError
 def validate_budget(rollouts: Sequence[Rollout], budget: int) -> None:
     """Every rollout must fit one row on its own; otherwise the configuration is wrong."""
     if budget < 1:
-        raise RolloutError(f"token budget must be positive, got {budget}")
+        raise RolloutError(
+            f"token budget must be positive, got {budget}; a budget <= 0 means TRL's fixed count of "
+            "samples per micro-batch, which only the trainer's TreeBatcher (plan_fixed_count) takes"
+        )
     too_long = [i for i, r in enumerate(rollouts) if len(r) > budget]
     if too_long:
         longest = max(len(rollouts[i]) for i in too_long)
@@ -117,6 +120,25 @@ def plan(rollouts: Sequence[Rollout], ranks: int, budget: int) -> list[MicroBatc
 
     _fill_empty_rows(batches, rollouts)
     return [_materialise(batch, rollouts) for batch in batches]
+
+
+def plan_fixed_count(rollouts: Sequence[Rollout], ranks: int, per_micro_batch: int) -> list[MicroBatch]:
+    """TRL's `token_budget <= 0`: consecutive `per_micro_batch` samples per micro-batch, no token bound.
+
+    Each chunk is planned as by `plan` with a budget that holds the whole chunk, so it becomes
+    one micro-batch: groups together, LPT across ranks, no empty rank (as TRL's
+    `FixedCountBatcher`, which also leaves peak memory unbounded).
+    """
+    if per_micro_batch < 1:
+        raise RolloutError(f"need at least one sample per micro-batch, got {per_micro_batch}")
+    batches = []
+    for start in range(0, len(rollouts), per_micro_batch):
+        chunk = list(rollouts[start: start + per_micro_batch])
+        unbounded = max(sum(len(r) for r in chunk), sum(r.trained for r in chunk), 1)
+        for mb in plan(chunk, ranks, unbounded):
+            mb.sources = [[start + s for s in srcs] for srcs in mb.sources]
+            batches.append(mb)
+    return batches
 
 
 def _fill_empty_rows(batches: list[list[_Bin]], rollouts: Sequence[Rollout]) -> None:

@@ -29,6 +29,9 @@ def register(subparsers) -> None:
     verify.add_argument("--model", choices=("dense", "moe"), default="dense")
     verify.add_argument("--ranks", type=int, default=1, help="data-parallel ranks to plan rows for")
     verify.add_argument("--budget", type=int, default=4096, help="per-rank token budget of a row")
+    verify.add_argument("--grad-accum", type=int, default=0,
+                        help="micro-batches per optimizer step, as gradient_accumulation_steps "
+                        "(0: all planned micro-batches make one step)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
     verify.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights")
     verify.add_argument("--device", default="cpu", help="cpu, or cuda to check the FlexAttention path")
@@ -67,7 +70,8 @@ def _verify(args: argparse.Namespace) -> int:
         vocab = model.config.get_text_config().vocab_size
         if max(max(r.input_ids) for r in rollouts) >= vocab:
             raise RolloutError(f"{args.file}: token ids must be below the tiny model's vocabulary of {vocab}")
-        result = compare(model, rollouts, ranks=args.ranks, budget=args.budget, device=args.device)
+        result = compare(model, rollouts, ranks=args.ranks, budget=args.budget, device=args.device,
+                         grad_accum=args.grad_accum)
     except RolloutError as err:
         print(f"asyncgrpo tree verify: {err}", file=sys.stderr)
         return 2

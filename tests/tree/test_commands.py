@@ -5,7 +5,7 @@ import json
 from asyncgrpo.cli import main
 from asyncgrpo.trainer.tree import objective
 from asyncgrpo.trainer.tree.rollout import dump_rollouts, load_rollouts
-from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
+from asyncgrpo.trainer.tree.synthetic import agentic_rollouts, synthetic_rollouts
 
 
 def last_json(out: str) -> dict:
@@ -99,8 +99,37 @@ def test_bench_prints_a_table_and_a_json_line(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     result = last_json(out)
-    assert "speedup" in out.splitlines()[-2]
+    assert "speedup" in out.splitlines()[-3]
     for key in ("tree_s", "sequence_s", "speedup", "ideal_speedup", "efficiency", "tree_peak_mb",
                 "sequence_peak_mb"):
         assert result[key] > 0
     assert result["ideal_speedup"] == (3 * 40) / (32 + 3 * 8)
+
+
+def test_bench_on_a_file_plans_the_trainers_micro_batches_and_reports_the_flop_ideal(tmp_path, capsys):
+    path = tmp_path / "agentic.jsonl"
+    dump_rollouts(agentic_rollouts(groups=2, generations=3, turns=3, system=16, prompt=16, completion=8, tool=8),
+                  path)
+    argv = ["tree", "bench", "--file", str(path), "--budget", "90", "--ranks", "2", "--model", "moe",
+            "--repeats", "1", "--threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    result = last_json(out)
+    assert "FLOP ideal" in out and result["source"] == "file" and result["rollouts"] == 18
+    assert result["micro_batches"] >= 2 and result["ranks"] == 2
+    assert result["tokens_distinct"] <= result["tokens_forwarded"] < result["tokens_raw"]
+    assert 1 < result["flop_ideal_speedup"] < result["ideal_speedup"]
+    assert result["efficiency_flop"] == result["speedup"] / result["flop_ideal_speedup"]
+
+
+def test_flop_model_counts_linear_attention_and_head_from_the_config():
+    from asyncgrpo.trainer.tiny import tiny_config
+    from asyncgrpo.trainer.tree.flops import FlopModel
+
+    dense = FlopModel.of(tiny_config("dense"))
+    # 2 layers x 2 FLOPs x (q, o: 64x64 each; k, v: 64x32 each; MLP 3 x 64x128)
+    assert dense.per_token == 2 * 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
+    assert dense.per_pair == 2 * 2 * 2 * 4 * 16 and dense.per_term == 2 * 64 * 512
+    moe = FlopModel.of(tiny_config("moe"))  # router 64x4 + 2 routed experts of 3 x 64x64
+    assert moe.per_token == 2 * 2 * (2 * 64 * 64 + 2 * 64 * 32 + 64 * 4 + 2 * 3 * 64 * 64)
+    assert dense.step(10, 55, 4) == 3 * (10 * dense.per_token + 55 * dense.per_pair + 4 * dense.per_term)

@@ -2,17 +2,21 @@
 
 TRL packs with `packing.TreeRow` and attends with `tree_fa3`, a FlashAttention-3 kernel it
 downloads from a hub at run time (Hopper only; no offline cluster or CPU can run it). This
-module swaps three pieces and keeps the rest of TRL as is:
+module swaps these pieces and keeps the rest of TRL as is:
 
-| TRL 1.16.0 piece                                   | replaced by                                   |
-|----------------------------------------------------|-----------------------------------------------|
-| `TokenBudgetBatcher` / `FixedCountBatcher` (plan)  | `TreeBatcher` (`budget.plan`: LPT, no drops)  |
-| `DataCollatorForRollout` + `TreeRow.pack` (pack)   | `TreeCollator` (forest rows, explicit gather) |
-| `tree_fa3` attention + `shift_labels` scoring      | `asyncgrpo_tree` attention + per-term head    |
+| TRL 1.16.0 piece                                   | replaced by                                    |
+|----------------------------------------------------|------------------------------------------------|
+| `TokenBudgetBatcher` / `FixedCountBatcher` (plan)  | `TreeBatcher` (`budget.plan`: LPT, no drops)   |
+| `DataCollatorForRollout` + `TreeRow.pack` (pack)   | `TreeCollator` (forest rows, explicit gather)  |
+| `tree_fa3` attention + `shift_labels` scoring      | `asyncgrpo_tree` attention + per-term head     |
+| `compute_loss` (per-micro-batch normalisation)     | `tree_compute_loss` (`objective`: step mean)   |
+| transformers' `get_batch_samples` (step prefetch)  | the same, plus the step's totals stamped in    |
 
-TRL's GRPO loss, its metrics and their collectives are kept: `tree_compute_loss` feeds TRL's
-own `AsyncGRPOTrainer.compute_loss` per-term log-probs in the shape it indexes (token_index =
-0..M-1), so the loss, clipping statistics and step accounting are TRL's code, unchanged.
+`tree_compute_loss` keeps TRL's formulas, metric keys, collectives and step accounting; it
+changes the normaliser (the step's trained tokens, not each micro-batch's / GA), keeps a
+filler row's inert term out of loss and metrics, and logs mean metrics as (sum, count)
+pairs (see `objective`). On a single even micro-batch it equals TRL's `compute_loss`
+exactly (tests/tree/test_trl_integration.py).
 
 How the trainer runtime uses it (one of):
 
@@ -22,15 +26,8 @@ How the trainer runtime uses it (one of):
     from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
     class Trainer(TreePackingMixin, AsyncGRPOTrainer): ...
 
-or, piece by piece from its own subclass:
-
-    install_tree_packing(self.model, temperature=self.temperature)   # after super().__init__()
-    batcher = TreeBatcher(dataset, num_processes, token_budget, samples_per_plan)
-    collator = TreeCollator(pad_token_id, num_processes, metrics=..., groups_trained=...)
-    loss = tree_compute_loss(self, model, inputs)                     # in compute_loss
-
-The pin matters: `tree_compute_loss` relies on which inputs TRL 1.16.0's `compute_loss`
-reads; `check_trl_version()` fails fast on any other version.
+The pin matters: the mixin mirrors TRL 1.16.0's `get_train_dataloader` and the trainer
+attributes its `compute_loss` reads; `check_trl_version()` fails fast on any other version.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from asyncgrpo.trainer.tree.trl_integration import (
     TreeBatcher,
     TreeCollator,
     TreePackingMixin,
+    _trl_compute_loss,
     check_trl_version,
     install_tree_packing,
     tree_compute_loss,
@@ -107,8 +108,6 @@ def test_trl_loss_on_packed_rows_equals_unpacked(trl_model):
 
 def trl_compute_loss_on(trainer, model, batch):
     """TRL 1.16.0's own `compute_loss` on a one-rank tree batch (its model call routed to our packed forward)."""
-    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
-
     keep = batch["attention_mask"][0].bool()
     selected = batch["tree_pred_pos"][0] >= 0
     m = int(selected.sum())
@@ -129,7 +128,7 @@ def trl_compute_loss_on(trainer, model, batch):
         "tree_max_seqlens": torch.zeros(1, 2, dtype=torch.long),
         **{k: batch[k] for k in ("global_n_tokens", "global_n_forward_tokens", "mean_seq_len")},
     }
-    return AsyncGRPOTrainer.compute_loss(trainer, packed_forward, inputs)
+    return _trl_compute_loss()(trainer, packed_forward, inputs)
 
 
 def test_our_objective_equals_trls_compute_loss_where_trl_is_right(trl_model):

@@ -67,6 +67,7 @@ _UPSTREAM: dict[str, Any] = {}
 
 
 def _trl_compute_loss():
+    """TRL's own `compute_loss`, also while `install()` has replaced it (the parity test compares with it)."""
     from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 
     return _UPSTREAM.get("compute_loss", AsyncGRPOTrainer.compute_loss)

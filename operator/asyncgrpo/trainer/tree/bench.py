@@ -75,13 +75,18 @@ def _rows(rollouts: list[Rollout], ranks: int, budget: int) -> tuple[list[Packed
     return [row for mb in batches for row in mb.rows], batches
 
 
-def _time(model, rows: list[PackedRow], device: torch.device) -> float:
+def _time(model, rows: list[PackedRow], device: torch.device) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of training every row once.
+
+    On a shared CPU the wall time also counts the time other processes held the core; with
+    one torch thread the process CPU time does not, so its ratio is the steadier one there.
+    """
     _sync(device)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for row in rows:
         train_step(model, row, device)
     _sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def run_bench(model_kind: str = "dense", groups: int = 2, generations: int = 8, prompt: int = 1024,
@@ -107,9 +112,12 @@ def run_bench(model_kind: str = "dense", groups: int = 2, generations: int = 8, 
     for side in rows.values():  # warm-up: compilation, allocator, thread pools
         _time(model, side, device)
     times: dict[str, list[float]] = {name: [] for name in rows}
+    cpu_times: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(repeats):
         for name, side in rows.items():
-            times[name].append(_time(model, side, device))
+            wall, cpu = _time(model, side, device)
+            times[name].append(wall)
+            cpu_times[name].append(cpu)
     memory = {name: max(_memory(model, row, device) for row in side) for name, side in rows.items()}
 
     packing = PackingMetrics.of(batches)
@@ -157,6 +165,12 @@ def run_bench(model_kind: str = "dense", groups: int = 2, generations: int = 8, 
         "efficiency": speedup / (raw / forwarded),
         "flop_ideal_speedup": flop_ideal,
         "efficiency_flop": speedup / flop_ideal,
+        # Process CPU time (CPU only): not inflated by other processes holding the core.
+        **({"tree_cpu_s": statistics.median(cpu_times["tree"]),
+            "sequence_cpu_s": statistics.median(cpu_times["sequence"]),
+            "speedup_cpu": statistics.median(cpu_times["sequence"]) / statistics.median(cpu_times["tree"]),
+            "efficiency_flop_cpu": statistics.median(cpu_times["sequence"])
+            / statistics.median(cpu_times["tree"]) / flop_ideal} if device.type == "cpu" else {}),
         "memory_kind": "cuda_peak_allocated" if device.type == "cuda" else "saved_activations",
         "tree_peak_mb": memory["tree"] / 2**20,
         "sequence_peak_mb": memory["sequence"] / 2**20,
@@ -172,6 +186,8 @@ def format_table(result: dict) -> str:
         ("attention pairs", f"{result['attention_pairs_sequence']}", f"{result['attention_pairs_tree']}"),
         ("train FLOPs (model)", f"{result['flops_sequence']:.3e}", f"{result['flops_tree']:.3e}"),
         ("fwd+bwd median (s)", f"{result['sequence_s']:.4f}", f"{result['tree_s']:.4f}"),
+        *([("fwd+bwd median CPU time (s)", f"{result['sequence_cpu_s']:.4f}", f"{result['tree_cpu_s']:.4f}")]
+          if "tree_cpu_s" in result else []),
         (f"memory ({result['memory_kind']}, MiB)", f"{result['sequence_peak_mb']:.1f}",
          f"{result['tree_peak_mb']:.1f}"),
     ]
@@ -180,6 +196,9 @@ def format_table(result: dict) -> str:
     width = max(len(r[0]) for r in rows)
     lines = [f"{a:<{width}}  {b:>14}  {c:>14}" for a, b, c in rows]
     shares = ", ".join(f"{k} {v:.0%}" for k, v in result["flop_shares_tree"].items())
+    if "speedup_cpu" in result:
+        lines.append(f"CPU time: speedup {result['speedup_cpu']:.2f}x, {result['efficiency_flop_cpu']:.2f} of the "
+                     "FLOP ideal (wall time below counts other processes' use of the core)")
     lines.append(
         f"speedup {result['speedup']:.2f}x; token ideal {result['ideal_speedup']:.2f}x (efficiency "
         f"{result['efficiency']:.2f}), FLOP ideal {result['flop_ideal_speedup']:.2f}x (efficiency "

@@ -33,12 +33,13 @@ failed=0
 # ok = exit 0 and every goal (python expressions over the result `r`) true.
 emit() {
   "$PY" - "$1" "$2" "$3" "${4:-}" <<'PY' || true
-import json, sys
+import json, os, sys
 name, rc, path, goals = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 try:
     r = json.loads(open(path).read().strip().splitlines()[-1])
 except Exception as err:  # no JSON: the command died; say why in one line
-    tail = open(path).read()[-400:] if path else ""
+    err_path = path[: -len(".txt")] + ".err"
+    tail = open(err_path).read()[-400:] if os.path.exists(err_path) else ""
     print(json.dumps({"check": name, "ok": False, "rc": rc, "error": f"{type(err).__name__}: {err}", "tail": tail}))
     sys.exit(0)
 met = {g: bool(eval(g, {}, {"r": r})) for g in filter(None, goals.split(";"))}

@@ -92,12 +92,12 @@ def rollout_samples(rollouts, old_log_probs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("budget", "grad_accum"), [(4096, 1), (120, 3)], ids=["one-micro-batch", "uneven-3"])
+@pytest.mark.parametrize(("budget", "grad_accum"), [(4096, 1), (100, 4)], ids=["one-micro-batch", "uneven-4"])
 def test_trl_trainer_step_with_installed_seam_takes_the_unpacked_gradient(tmp_path, monkeypatch, budget,
                                                                          grad_accum):
-    """`uneven-3`: budget 120 plans micro-batches of 20, 20 and 8 trained tokens, accumulated into one
-    step. TRL's own normalisation (each micro-batch by its tokens, then / 3) weighs a token of the
-    last one 2.5x; the step must take the token mean over all 48."""
+    """`uneven-4`: budget 100 plans micro-batches of 16, 16, 8 and 8 trained tokens, accumulated into
+    one step. TRL's own normalisation (each micro-batch by its tokens, then / 4) weighs a token of
+    the small ones 2x; the step must take the token mean over all 48."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
     from trl.experimental.async_grpo import async_grpo_trainer as agt
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from tree_strategies import rollout_sets, tree_settings
 
 from asyncgrpo.trainer.tree import Rollout, RolloutError, Trie, pack
-from asyncgrpo.trainer.tree.budget import group_units, plan
+from asyncgrpo.trainer.tree.budget import group_units, plan, split_group
 from asyncgrpo.trainer.tree.metrics import PackingMetrics
 from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
 
@@ -124,3 +124,31 @@ def test_trie_prices_a_candidate_exactly_without_changing(placed, candidate):
     for r in candidate:
         trie.insert(r.input_ids)
     assert (tokens, pairs) == (len(trie) - before[0], trie.load - before[1])
+
+
+def test_a_split_multi_turn_group_repeats_only_its_prompt_and_keeps_episodes_whole():
+    """4 episodes of 3 turns (one sample per turn); a budget of 150 holds one episode (108 tokens)
+    but not two. Cutting in arrival order would cut inside episode 1 and repeat its history;
+    cutting at the group's fork (after the 20-token prompt) repeats only the prompt."""
+    rollouts = synthetic_rollouts(groups=1, generations=4, prompt=20, completion=24, turns=3)
+    batches = plan(rollouts, ranks=1, budget=150)
+    m = PackingMetrics.of(batches)
+    assert m.micro_batches == 4 and m.distinct_tokens == 20 + 4 * 88
+    assert m.forwarded_tokens == m.distinct_tokens + 3 * 20 and m.repeated_tokens == 60
+    row_of = {s: i for i, b in enumerate(batches) for s in b.sources[0]}
+    for episode in range(4):
+        assert len({row_of[3 * episode + t] for t in range(3)}) == 1
+
+
+@tree_settings
+@given(plans())
+def test_split_group_places_every_rollout_once_within_the_budget(case):
+    rollouts, _ranks, budget = case
+    for members in group_units(rollouts, 10**9):
+        units = split_group(members, rollouts, budget)
+        assert sorted(i for u in units for i in u) == sorted(members)
+        for u in units:
+            trie = Trie()
+            for i in u:
+                trie.insert(rollouts[i].input_ids)
+            assert len(trie) <= budget and sum(rollouts[i].trained for i in u) <= budget

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from asyncgrpo.trainer.tree.budget import plan
 from asyncgrpo.trainer.tree.loss import add_tree_lm_head, grpo_loss
 from asyncgrpo.trainer.tree.rollout import Rollout
 from asyncgrpo.trainer.tree.synthetic import synthetic_rollouts
@@ -91,7 +92,12 @@ def rollout_samples(rollouts, old_log_probs):
 
 
 @pytest.mark.slow
-def test_trl_trainer_step_with_installed_seam_takes_the_unpacked_gradient(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("budget", "grad_accum"), [(4096, 1), (100, 4)], ids=["one-micro-batch", "uneven-4"])
+def test_trl_trainer_step_with_installed_seam_takes_the_unpacked_gradient(tmp_path, monkeypatch, budget,
+                                                                         grad_accum):
+    """`uneven-4`: budget 100 plans micro-batches of 16, 16, 8 and 8 trained tokens, accumulated into
+    one step. TRL's own normalisation (each micro-batch by its tokens, then / 4) weighs a token of
+    the small ones 2x; the step must take the token mean over all 48."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
     from trl.experimental.async_grpo import async_grpo_trainer as agt
 
@@ -101,13 +107,13 @@ def test_trl_trainer_step_with_installed_seam_takes_the_unpacked_gradient(tmp_pa
     monkeypatch.setattr(agt, "get_peak_flops_per_device", lambda *args: None)
     trl_integration.install()
     try:
-        train_one_step_and_compare(tmp_path)
+        train_one_step_and_compare(tmp_path, budget, grad_accum)
     finally:
         trl_integration.uninstall()
     assert AsyncGRPOTrainer.compute_loss.__module__.startswith("trl.")
 
 
-def train_one_step_and_compare(tmp_path):
+def train_one_step_and_compare(tmp_path, budget, grad_accum):
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
@@ -122,7 +128,7 @@ def train_one_step_and_compare(tmp_path):
     grads = GradientsAtStep()
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=len(rollouts),
-        gradient_accumulation_steps=1, token_budget=4096, max_grad_norm=0.0, learning_rate=1e-3,
+        gradient_accumulation_steps=grad_accum, token_budget=budget, max_grad_norm=0.0, learning_rate=1e-3,
         report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, weight_sync_steps=1000,
         max_staleness=10, dtype="float32", bf16=False,  # TRL defaults to bf16 autocast
     )
@@ -133,6 +139,9 @@ def train_one_step_and_compare(tmp_path):
         callbacks=[grads],
     )
     assert trainer.model.config._attn_implementation == "asyncgrpo_tree"
+    trainer.samples_per_plan = len(rollouts)  # one plan per step, however many micro-batches it makes
+    planned = [mb.trained for mb in plan(rollouts, 1, budget)]
+    assert len(planned) == grad_accum and (grad_accum == 1 or len(set(planned)) > 1)
     trainer.train()
     assert grads.grads is not None
 
@@ -148,3 +157,4 @@ def train_one_step_and_compare(tmp_path):
         torch.testing.assert_close(grads.grads[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert "tree/compression_ratio" in logged and "loss" in logged
+    assert trainer.state.log_history[0]["batch/microbatches_per_step"] == grad_accum

@@ -5,8 +5,10 @@ Rules, and why:
   tokens bound activation memory; loss terms bound the LM-head work, which sharing does
   not shrink (every branch of a fork keeps its own term).
 - A group is a unit: its rollouts share their prompt, so together they cost the prompt
-  once. A group whose forest exceeds the budget is cut into chunks that each repeat the
-  prompt; nothing is ever dropped. A rollout longer than the budget is a configuration
+  once. A group whose forest exceeds the budget is cut at its deepest shared node into
+  whole subtrees (`split_group`), so a chunk repeats only the path down to the cut (the
+  prompt, or a multi-turn history up to the fork), never a prefix deeper than that;
+  nothing is ever dropped. A rollout longer than the budget is a configuration
   error (`RolloutError`) raised before any packing.
 - Units go longest-first (by attention pairs, which grow faster than tokens) to the least
   loaded row that still fits them (LPT), opening a new micro-batch only when none fits.
@@ -28,7 +30,10 @@ from .rollout import Rollout, RolloutError
 def validate_budget(rollouts: Sequence[Rollout], budget: int) -> None:
     """Every rollout must fit one row on its own; otherwise the configuration is wrong."""
     if budget < 1:
-        raise RolloutError(f"token budget must be positive, got {budget}")
+        raise RolloutError(
+            f"token budget must be positive, got {budget}; a budget <= 0 means TRL's fixed count of "
+            "samples per micro-batch, which only the trainer's TreeBatcher (plan_fixed_count) takes"
+        )
     too_long = [i for i, r in enumerate(rollouts) if len(r) > budget]
     if too_long:
         longest = max(len(rollouts[i]) for i in too_long)
@@ -67,20 +72,55 @@ class _Bin:
 
 
 def group_units(rollouts: Sequence[Rollout], budget: int) -> list[list[int]]:
-    """Each group as one unit, or as consecutive chunks (each repeating the prompt) if it overflows."""
+    """Each group as one unit, or, if its forest overflows the budget, as whole subtrees (`split_group`)."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(rollouts):
         groups[r.group_id].append(i)
-    units = []
-    for members in groups.values():
-        chunk = _Bin()
-        for i in members:
-            if chunk.members and not chunk.fits([i], rollouts, budget):
-                units.append(chunk.members)
-                chunk = _Bin()
-            chunk.add([i], rollouts)
-        units.append(chunk.members)
-    return units
+    return [unit for members in groups.values() for unit in split_group(members, rollouts, budget)]
+
+
+def _common_prefix(seqs: list[Sequence[int]]) -> int:
+    first, n = seqs[0], min(len(s) for s in seqs)
+    for d in range(n):
+        token = first[d]
+        if any(s[d] != token for s in seqs):
+            return d
+    return n
+
+
+def split_group(members: list[int], rollouts: Sequence[Rollout], budget: int) -> list[list[int]]:
+    """Cut a group that overflows the budget at its deepest shared node, into whole subtrees.
+
+    The members' forest branches at the end of their common prefix; each branch (a subtree)
+    is cut recursively only if it overflows on its own, and the pieces are then packed
+    first-fit, largest first, into as few chunks as fit. A chunk repeats only the path down
+    to the node it was cut at: the prompt when a group forks at its first completion token,
+    nothing deeper. Cutting in arrival order instead repeats whole histories of multi-turn
+    episodes whenever a cut falls inside one. Identical rollouts (nothing to branch on) are
+    chunked in order.
+    """
+    if _Bin().fits(members, rollouts, budget):
+        return [members]
+    ids = [rollouts[i].input_ids for i in members]
+    depth = _common_prefix(ids)
+    branches: dict[int | None, list[int]] = defaultdict(list)
+    for i, seq in zip(members, ids):
+        branches[seq[depth] if len(seq) > depth else None].append(i)
+    pieces: list[list[int]] = []
+    for token, branch in branches.items():
+        if token is None:  # rollouts ending exactly at the fork: one piece each (duplicates, in order)
+            pieces.extend([i] for i in branch)
+        else:
+            pieces.extend(split_group(branch, rollouts, budget))
+    chunks: list[_Bin] = []
+    sizes = {id(p): Trie().price([rollouts[i].input_ids for i in p])[0] for p in pieces}
+    for piece in sorted(pieces, key=lambda p: -sizes[id(p)]):
+        chunk = next((c for c in chunks if c.fits(piece, rollouts, budget)), None)
+        if chunk is None:
+            chunk = _Bin()
+            chunks.append(chunk)
+        chunk.add(piece, rollouts)
+    return [sorted(c.members) for c in chunks]
 
 
 @dataclass
@@ -117,6 +157,25 @@ def plan(rollouts: Sequence[Rollout], ranks: int, budget: int) -> list[MicroBatc
 
     _fill_empty_rows(batches, rollouts)
     return [_materialise(batch, rollouts) for batch in batches]
+
+
+def plan_fixed_count(rollouts: Sequence[Rollout], ranks: int, per_micro_batch: int) -> list[MicroBatch]:
+    """TRL's `token_budget <= 0`: consecutive `per_micro_batch` samples per micro-batch, no token bound.
+
+    Each chunk is planned as by `plan` with a budget that holds the whole chunk, so it becomes
+    one micro-batch: groups together, LPT across ranks, no empty rank (as TRL's
+    `FixedCountBatcher`, which also leaves peak memory unbounded).
+    """
+    if per_micro_batch < 1:
+        raise RolloutError(f"need at least one sample per micro-batch, got {per_micro_batch}")
+    batches = []
+    for start in range(0, len(rollouts), per_micro_batch):
+        chunk = list(rollouts[start: start + per_micro_batch])
+        unbounded = max(sum(len(r) for r in chunk), sum(r.trained for r in chunk), 1)
+        for mb in plan(chunk, ranks, unbounded):
+            mb.sources = [[start + s for s in srcs] for srcs in mb.sources]
+            batches.append(mb)
+    return batches
 
 
 def _fill_empty_rows(batches: list[list[_Bin]], rollouts: Sequence[Rollout]) -> None:

@@ -29,6 +29,9 @@ def register(subparsers) -> None:
     verify.add_argument("--model", choices=("dense", "moe"), default="dense")
     verify.add_argument("--ranks", type=int, default=1, help="data-parallel ranks to plan rows for")
     verify.add_argument("--budget", type=int, default=4096, help="per-rank token budget of a row")
+    verify.add_argument("--grad-accum", type=int, default=0,
+                        help="micro-batches per optimizer step, as gradient_accumulation_steps "
+                        "(0: all planned micro-batches make one step)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
     verify.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights")
     verify.add_argument("--device", default="cpu", help="cpu, or cuda to check the FlexAttention path")
@@ -40,6 +43,10 @@ def register(subparsers) -> None:
         description="Random rollouts of the given shape; the same micro-batch packed as a tree and as "
         "sequences (document masking, same attention family), median of --repeats.",
     )
+    bench.add_argument("--file", help="a rollouts file (verify's format) instead of the synthetic shape")
+    bench.add_argument("--budget", type=int, default=0,
+                       help="per-rank token budget: plan micro-batches as the trainer does (0: one micro-batch)")
+    bench.add_argument("--ranks", type=int, default=1, help="data-parallel ranks to plan rows for")
     bench.add_argument("--model", choices=("dense", "moe"), default="dense")
     bench.add_argument("--groups", type=int, default=2)
     bench.add_argument("--generations", type=int, default=8)
@@ -67,7 +74,8 @@ def _verify(args: argparse.Namespace) -> int:
         vocab = model.config.get_text_config().vocab_size
         if max(max(r.input_ids) for r in rollouts) >= vocab:
             raise RolloutError(f"{args.file}: token ids must be below the tiny model's vocabulary of {vocab}")
-        result = compare(model, rollouts, ranks=args.ranks, budget=args.budget, device=args.device)
+        result = compare(model, rollouts, ranks=args.ranks, budget=args.budget, device=args.device,
+                         grad_accum=args.grad_accum)
     except RolloutError as err:
         print(f"asyncgrpo tree verify: {err}", file=sys.stderr)
         return 2
@@ -82,15 +90,26 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from .bench import format_table, run_bench
+    from .rollout import RolloutError, load_rollouts
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run_bench(
-        model_kind=args.model, groups=args.groups, generations=args.generations, prompt=args.prompt,
-        completion=args.completion, turns=args.turns, device=args.device, repeats=args.repeats,
-        dtype=getattr(torch, args.dtype), model_overrides=json.loads(args.model_config),
-    )
-    if args.compare_trl_fa3:
+    overrides = json.loads(args.model_config)
+    try:
+        rollouts = load_rollouts(args.file) if args.file else None
+        vocab = overrides.get("vocab_size", 512)
+        if rollouts and max(max(r.input_ids) for r in rollouts) >= vocab:
+            raise RolloutError(f"{args.file}: token ids must be below the model's vocabulary of {vocab}")
+        result = run_bench(
+            model_kind=args.model, groups=args.groups, generations=args.generations, prompt=args.prompt,
+            completion=args.completion, turns=args.turns, device=args.device, repeats=args.repeats,
+            dtype=getattr(torch, args.dtype), model_overrides=overrides, rollouts=rollouts,
+            budget=args.budget, ranks=args.ranks,
+        )
+    except RolloutError as err:
+        print(f"asyncgrpo tree bench: {err}", file=sys.stderr)
+        return 2
+    if args.compare_trl_fa3 and not args.file:
         result.update(_trl_fa3(args))
         if "trl_fa3_s" in result:
             result["speedup_vs_trl_fa3"] = result["trl_fa3_s"] / result["tree_s"]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from .budget import MicroBatch
+from .forest import Trie
 
 
 @dataclass
@@ -15,7 +16,8 @@ class PackingMetrics:
     rollouts: int = 0
     micro_batches: int = 0
     raw_tokens: int = 0  # sum of rollout lengths: what sequence packing forwards
-    forwarded_tokens: int = 0  # unique forest tokens: what tree packing forwards
+    forwarded_tokens: int = 0  # tokens the rows forward (a prefix repeats in each row it is in)
+    distinct_tokens: int = 0  # distinct prefixes of all rollouts: what one unbounded tree would forward
     trained_tokens: int = 0  # loss terms
     attention_pairs: int = 0  # (query, key) pairs tree attention computes
     raw_attention_pairs: int = 0  # pairs causal attention over each rollout alone computes
@@ -34,10 +36,16 @@ class PackingMetrics:
             return 1.0
         return max(self.rank_load) * len(self.rank_load) / sum(self.rank_load)
 
+    @property
+    def repeated_tokens(self) -> int:
+        """Forwarded tokens beyond the distinct prefixes: prefixes repeated across rows (and filler copies)."""
+        return self.forwarded_tokens - self.distinct_tokens
+
     @classmethod
     def of(cls, batches: Sequence[MicroBatch]) -> PackingMetrics:
         ranks = len(batches[0].rows) if batches else 0
         m = cls(micro_batches=len(batches), rank_tokens=[0] * ranks, rank_load=[0] * ranks)
+        everything = Trie()
         for batch in batches:
             for rank, row in enumerate(batch.rows):
                 m.rank_tokens[rank] += row.tokens
@@ -49,14 +57,18 @@ class PackingMetrics:
                     m.filler_rows += 1
                     continue
                 m.rollouts += len(row.rollouts)
+                for r in row.rollouts:
+                    everything.insert(r.input_ids)
                 m.raw_tokens += row.raw_tokens
                 m.raw_attention_pairs += sum(len(r) * (len(r) + 1) // 2 for r in row.rollouts)
+        m.distinct_tokens = len(everything)
         return m
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["compression_ratio"] = self.compression_ratio
         d["rank_imbalance"] = self.rank_imbalance
+        d["repeated_tokens"] = self.repeated_tokens
         return d
 
     def as_scalars(self, prefix: str = "tree/") -> dict[str, float]:

@@ -2,17 +2,21 @@
 
 TRL packs with `packing.TreeRow` and attends with `tree_fa3`, a FlashAttention-3 kernel it
 downloads from a hub at run time (Hopper only; no offline cluster or CPU can run it). This
-module swaps three pieces and keeps the rest of TRL as is:
+module swaps these pieces and keeps the rest of TRL as is:
 
-| TRL 1.16.0 piece                                   | replaced by                                   |
-|----------------------------------------------------|-----------------------------------------------|
-| `TokenBudgetBatcher` / `FixedCountBatcher` (plan)  | `TreeBatcher` (`budget.plan`: LPT, no drops)  |
-| `DataCollatorForRollout` + `TreeRow.pack` (pack)   | `TreeCollator` (forest rows, explicit gather) |
-| `tree_fa3` attention + `shift_labels` scoring      | `asyncgrpo_tree` attention + per-term head    |
+| TRL 1.16.0 piece                                   | replaced by                                    |
+|----------------------------------------------------|------------------------------------------------|
+| `TokenBudgetBatcher` / `FixedCountBatcher` (plan)  | `TreeBatcher` (`budget.plan`: LPT, no drops)   |
+| `DataCollatorForRollout` + `TreeRow.pack` (pack)   | `TreeCollator` (forest rows, explicit gather)  |
+| `tree_fa3` attention + `shift_labels` scoring      | `asyncgrpo_tree` attention + per-term head     |
+| `compute_loss` (per-micro-batch normalisation)     | `tree_compute_loss` (`objective`: step mean)   |
+| transformers' `get_batch_samples` (step prefetch)  | the same, plus the step's totals stamped in    |
 
-TRL's GRPO loss, its metrics and their collectives are kept: `tree_compute_loss` feeds TRL's
-own `AsyncGRPOTrainer.compute_loss` per-term log-probs in the shape it indexes (token_index =
-0..M-1), so the loss, clipping statistics and step accounting are TRL's code, unchanged.
+`tree_compute_loss` keeps TRL's formulas, metric keys, collectives and step accounting; it
+changes the normaliser (the step's trained tokens, not each micro-batch's / GA), keeps a
+filler row's inert term out of loss and metrics, and logs mean metrics as (sum, count)
+pairs (see `objective`). On a single even micro-batch it equals TRL's `compute_loss`
+exactly (tests/tree/test_trl_integration.py).
 
 How the trainer runtime uses it (one of):
 
@@ -22,20 +26,14 @@ How the trainer runtime uses it (one of):
     from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
     class Trainer(TreePackingMixin, AsyncGRPOTrainer): ...
 
-or, piece by piece from its own subclass:
-
-    install_tree_packing(self.model, temperature=self.temperature)   # after super().__init__()
-    batcher = TreeBatcher(dataset, num_processes, token_budget, samples_per_plan)
-    collator = TreeCollator(pad_token_id, num_processes, metrics=..., groups_trained=...)
-    loss = tree_compute_loss(self, model, inputs)                     # in compute_loss
-
-The pin matters: `tree_compute_loss` relies on which inputs TRL 1.16.0's `compute_loss`
-reads; `check_trl_version()` fails fast on any other version.
+The pin matters: the mixin mirrors TRL 1.16.0's `get_train_dataloader` and the trainer
+attributes its `compute_loss` reads; `check_trl_version()` fails fast on any other version.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -43,27 +41,33 @@ from typing import Any
 
 import torch
 
+from . import objective
 from .attention import install_tree_attention
-from .budget import MicroBatch, plan
+from .budget import MicroBatch, plan, plan_fixed_count
 from .layout import TreeLayout
 from .loss import add_tree_lm_head
 from .metrics import PackingMetrics
-from .rollout import Rollout
+from .rollout import Rollout, RolloutError
 
 TRL_VERSION = "1.16.0"
 
 #: Batch fields `TreeCollator` emits; a trainer listing signature columns must keep them.
 BATCH_FIELDS = (
     "input_ids", "attention_mask", "position_ids", "tree_leave", "tree_pred_pos", "tree_targets",
-    "old_log_probs", "advantages", "segment_id", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",
+    "old_log_probs", "advantages", "segment_id", "tree_valid", "tree_filler", "tree_real_rows",
+    "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",
 )
 
+
+#: The trainer methods tree packing replaces (see `TreePackingMixin`).
+_OVERRIDES = ("get_train_dataloader", "compute_loss", "_set_signature_columns_if_needed", "get_batch_samples")
 
 #: TRL's own methods, kept by `install()` before it replaces them on the class.
 _UPSTREAM: dict[str, Any] = {}
 
 
 def _trl_compute_loss():
+    """TRL's own `compute_loss`, also while `install()` has replaced it (the parity test compares with it)."""
     from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 
     return _UPSTREAM.get("compute_loss", AsyncGRPOTrainer.compute_loss)
@@ -117,14 +121,22 @@ class TreeBatcher(torch.utils.data.IterableDataset):
     and lets LPT balance the ranks; a rollout over the budget raises (`RolloutError`) instead
     of being dropped with a warning as TRL does. Set `samples_per_plan` to one optimizer
     step's samples (e.g. groups per step x num_generations).
+
+    `token_budget <= 0` means what it means in TRL (`FixedCountBatcher`): no budget, a fixed
+    `samples_per_micro_batch` samples per micro-batch (TRL: per_device_train_batch_size x
+    ranks), balanced across the ranks (`budget.plan_fixed_count`).
     """
 
     def __init__(self, dataset: Iterable[dict[str, Any]], num_processes: int, token_budget: int,
-                 samples_per_plan: int):
+                 samples_per_plan: int, samples_per_micro_batch: int | None = None):
         self.dataset = dataset
         self.num_processes = num_processes
         self.token_budget = token_budget
         self.samples_per_plan = max(samples_per_plan, num_processes)
+        self.samples_per_micro_batch = samples_per_micro_batch
+        if token_budget <= 0 and not samples_per_micro_batch:
+            raise RolloutError("token_budget <= 0 packs a fixed count of samples per micro-batch (as TRL's "
+                             "FixedCountBatcher): pass samples_per_micro_batch, or a positive token_budget")
 
     def __iter__(self):
         buffer: list[dict[str, Any]] = []
@@ -140,8 +152,13 @@ class TreeBatcher(torch.utils.data.IterableDataset):
         rollouts = [rollout_from_sample(s) for s in samples]
         return [
             TreeMicroBatch(mb, [[samples[i] for i in sources] for sources in mb.sources])
-            for mb in plan(rollouts, self.num_processes, self.token_budget)
+            for mb in self._plan(rollouts)
         ]
+
+    def _plan(self, rollouts: list[Rollout]) -> list[MicroBatch]:
+        if self.token_budget > 0:
+            return plan(rollouts, self.num_processes, self.token_budget)
+        return plan_fixed_count(rollouts, self.num_processes, self.samples_per_micro_batch)
 
 
 def _pad(tensors: list[torch.Tensor], value) -> torch.Tensor:
@@ -175,10 +192,11 @@ class TreeCollator:
         terms = []
         for row in rows:
             if row.trained:
-                terms.append((row.pred_pos, row.target, row.old_log_probs, row.advantage, row.rollout))
-            else:
+                terms.append((row.pred_pos, row.target, row.old_log_probs, row.advantage, row.rollout,
+                              torch.ones(row.trained)))
+            else:  # one inert term (valid 0): same forward/backward/collectives, weighs nothing
                 terms.append((torch.zeros(1, dtype=torch.long), row.input_ids[:1], torch.zeros(1),
-                              torch.zeros(1), torch.zeros(1, dtype=torch.long)))
+                              torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.zeros(1)))
         batch = {
             "input_ids": _pad([r.input_ids for r in rows], self.pad_token_id),
             "attention_mask": _pad([torch.ones_like(r.input_ids) for r in rows], 0),
@@ -189,6 +207,8 @@ class TreeCollator:
             "old_log_probs": _pad([t[2] for t in terms], 0.0),
             "advantages": _pad([t[3] for t in terms], 0.0),
             "segment_id": _pad([t[4] for t in terms], 0),
+            "tree_valid": _pad([t[5] for t in terms], 0.0),
+            "tree_filler": torch.tensor([float(r.filler) for r in rows]),
         }
         packing = PackingMetrics.of([micro.batch])
         samples = [s for row in micro.samples for s in row]
@@ -196,6 +216,7 @@ class TreeCollator:
         # Repeated per rank so the dispatcher's dim-0 split hands every rank the batch-wide counts.
         n = self.num_processes
         batch["global_n_tokens"] = torch.full((n,), float(packing.trained_tokens))
+        batch["tree_real_rows"] = torch.full((n,), float(n - packing.filler_rows))
         batch["global_n_forward_tokens"] = torch.full((n,), float(packing.forwarded_tokens))
         batch["mean_seq_len"] = torch.full((n,), packing.forwarded_tokens / max(len(samples), 1))
         self._log(packing, samples)
@@ -222,54 +243,95 @@ class TreeCollator:
             m[key].append(sum(valid) / len(valid) if valid else float("nan"))
 
 
-def tree_compute_loss(trainer, model, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
-                      num_items_in_batch=None):
-    """`compute_loss` for a `TreeCollator` batch (this rank's row), through TRL's own loss code.
+@dataclass
+class RowTerms:
+    """One rank's packed forward, with the per-term fields of its batch row (padding stripped)."""
 
-    TRL's `compute_loss` calls the model once and reads `outputs.log_probs.flatten()[token_index]`;
-    here the model call is our packed forward, whose log-probs are already one per loss term,
-    and `token_index` is 0..M-1. Everything after the forward is TRL's code.
-    """
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    aux_loss: torch.Tensor | None
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    segment_id: torch.Tensor
+    valid: torch.Tensor  # 1 for a trained term, 0 for a filler row's inert term
+    filler: bool
+
+
+def forward_row(model, inputs: dict[str, torch.Tensor], router_logits: bool = False) -> RowTerms:
+    """Forward this rank's row of a `TreeCollator` batch with tree attention and the per-term head."""
     keep = inputs["attention_mask"][0].bool()
     input_ids = inputs["input_ids"][0][keep]
     position_ids = inputs["position_ids"][0][keep]
-    leave = inputs["tree_leave"][0][keep]
     selected = inputs["tree_pred_pos"][0] >= 0
-    pred_pos = inputs["tree_pred_pos"][0][selected]
-    targets = inputs["tree_targets"][0][selected]
-    layout = TreeLayout(position_ids, leave)
-    m = int(pred_pos.numel())
+    extra = {"output_router_logits": True} if router_logits else {}
+    out = model(input_ids=input_ids[None], position_ids=position_ids[None],
+                tree_layout=TreeLayout(position_ids, inputs["tree_leave"][0][keep]),
+                tree_pred_pos=inputs["tree_pred_pos"][0][selected], tree_targets=inputs["tree_targets"][0][selected],
+                **extra)
+    return RowTerms(
+        log_probs=out.log_probs, entropy=out.entropy, aux_loss=out.aux_loss,
+        old_log_probs=inputs["old_log_probs"][0][selected], advantages=inputs["advantages"][0][selected],
+        segment_id=inputs["segment_id"][0][selected], valid=inputs["tree_valid"][0][selected],
+        filler=bool(inputs["tree_filler"].reshape(-1)[0]),
+    )
 
-    def packed_forward(**kwargs):
-        extra = {"output_router_logits": True} if kwargs.get("output_router_logits") else {}
-        return model(input_ids=input_ids[None], position_ids=position_ids[None], tree_layout=layout,
-                     tree_pred_pos=pred_pos, tree_targets=targets, **extra)
 
-    device = input_ids.device
-    trl_inputs = {
-        "attention_mask": torch.ones(1, m, dtype=torch.long, device=device),
-        "input_ids": torch.zeros(1, m, dtype=torch.long, device=device),
-        "position_ids": torch.zeros(1, m, dtype=torch.long, device=device),
-        "shift_labels": torch.full((1, m), -100, dtype=torch.long, device=device),
-        "token_index": torch.arange(m, device=device)[None],
-        "old_log_probs": inputs["old_log_probs"][:, selected],
-        "advantages": inputs["advantages"][:, selected],
-        "segment_id": inputs["segment_id"][:, selected],
-        "tree_kv_index": torch.full((1, 1), -1, dtype=torch.long, device=device),
-        "tree_cu_seqlens_q": torch.full((1, 1), -1, dtype=torch.int32, device=device),
-        "tree_cu_seqlens_k": torch.full((1, 1), -1, dtype=torch.int32, device=device),
-        "tree_max_seqlens": torch.zeros(1, 2, dtype=torch.long, device=device),
-        "global_n_tokens": inputs["global_n_tokens"],
-        "global_n_forward_tokens": inputs["global_n_forward_tokens"],
-        "mean_seq_len": inputs["mean_seq_len"],
-    }
-    return _trl_compute_loss()(trainer, packed_forward, trl_inputs, return_outputs, num_items_in_batch)
+def row_loss(row: RowTerms, inputs: dict[str, torch.Tensor], world: int, epsilon_low: float,
+             epsilon_high: float, aux_coef: float = 0.0) -> tuple[torch.Tensor, objective.Terms]:
+    """This rank's share of the step loss (see `objective`); without step totals the batch is the step."""
+    terms = objective.policy_terms(row.log_probs, row.old_log_probs, row.advantages, epsilon_low, epsilon_high)
+    step_terms = inputs.get("tree_step_n_tokens", inputs["global_n_tokens"]).reshape(-1)[0]
+    loss = objective.step_loss(terms, row.valid, step_terms, world)
+    if aux_coef and row.aux_loss is not None:
+        # Mean over the step's real rows after FSDP's average; a filler row's copy weighs nothing.
+        rows = float(inputs.get("tree_step_rows", inputs["tree_real_rows"]).reshape(-1)[0])
+        loss = loss + aux_coef * row.aux_loss * (0.0 if row.filler else world / max(rows, 1.0))
+    return loss, terms
+
+
+def tree_compute_loss(trainer, model, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
+                      num_items_in_batch=None):
+    """`compute_loss` for a `TreeCollator` batch (this rank's row): TRL 1.16.0's loss and metric keys.
+
+    Differs from TRL's `compute_loss` exactly where `objective` says: the loss is normalised by
+    the step's trained terms (stamped by `get_batch_samples`), not per micro-batch then divided
+    by gradient accumulation; a filler row's inert term enters no loss or metric; the mean
+    metrics are logged as (sum, count) so TRL's sink reports token means. The step accounting
+    (`_step_*`, read by TRL's `_log_step_metrics`) is TRL's.
+    """
+    from trl.trainer.utils import nanmax, nanmin
+
+    start = time.time()
+    row = forward_row(model, inputs, router_logits=trainer.aux_loss_enabled)
+    trainer._last_forward_time_s = time.time() - start
+    accelerator = trainer.accelerator
+    aux_coef = trainer.router_aux_loss_coef if trainer.aux_loss_enabled else 0.0
+    loss, terms = row_loss(row, inputs, accelerator.num_processes, trainer.epsilon_low, trainer.epsilon_high,
+                           aux_coef)
+
+    metrics = trainer._metrics["train"]
+    sums = objective.local_sums(terms, row.entropy, row.valid, row.aux_loss, real_row=not row.filler)
+    sums = accelerator.reduce(sums, reduction="sum")
+    for key, value in objective.mean_metrics(sums, with_aux=trainer.aux_loss_enabled).items():
+        metrics[key].append(value)
+    low_min, high_max = objective.per_sequence_clip(terms, row.valid, row.segment_id)
+    metrics["clip_ratio/low_min"].append(nanmin(accelerator.gather(low_min)).item())
+    metrics["clip_ratio/high_max"].append(nanmax(accelerator.gather(high_max)).item())
+
+    n_forward_tokens = float(inputs["global_n_forward_tokens"][0])
+    mean_seq_len = float(inputs["mean_seq_len"][0])
+    trainer._step_forward_tokens += n_forward_tokens
+    trainer._step_trained_tokens += float(inputs["global_n_tokens"][0])
+    trainer._step_seq_len_weighted += mean_seq_len * n_forward_tokens
+    trainer._step_samples += n_forward_tokens / mean_seq_len
+    trainer._step_forward_s += trainer._last_forward_time_s
+    return loss
 
 
 def install() -> None:
     """Process-wide: every `AsyncGRPOTrainer` (and subclass) built afterwards trains on tree rows.
 
-    Puts `TreePackingMixin`'s three methods on TRL's class and wraps its `__init__` to call
+    Puts `TreePackingMixin`'s four methods on TRL's class and wraps its `__init__` to call
     `install_tree_packing` on the finished model. A subclass that overrides one of these
     methods keeps its own. Idempotent.
     """
@@ -286,8 +348,9 @@ def install() -> None:
 
     __init__.__wrapped__ = upstream_init
     AsyncGRPOTrainer.__init__ = __init__
-    for name in ("get_train_dataloader", "compute_loss", "_set_signature_columns_if_needed"):
-        _UPSTREAM[name] = getattr(AsyncGRPOTrainer, name)
+    for name in _OVERRIDES:
+        # None: inherited from transformers' Trainer, so uninstall deletes ours rather than copy it.
+        _UPSTREAM[name] = AsyncGRPOTrainer.__dict__.get(name)
         setattr(AsyncGRPOTrainer, name, TreePackingMixin.__dict__[name])
     AsyncGRPOTrainer.samples_per_plan = None
     AsyncGRPOTrainer._asyncgrpo_tree_installed = True
@@ -301,7 +364,10 @@ def uninstall() -> None:
         return
     AsyncGRPOTrainer.__init__ = AsyncGRPOTrainer.__init__.__wrapped__
     for name, method in _UPSTREAM.items():
-        setattr(AsyncGRPOTrainer, name, method)
+        if method is None:
+            delattr(AsyncGRPOTrainer, name)
+        else:
+            setattr(AsyncGRPOTrainer, name, method)
     _UPSTREAM.clear()
     del AsyncGRPOTrainer.samples_per_plan
     del AsyncGRPOTrainer._asyncgrpo_tree_installed
@@ -310,8 +376,8 @@ def uninstall() -> None:
 class TreePackingMixin:
     """Mix in before `AsyncGRPOTrainer` to train on tree-packed rows with our attention.
 
-    Overrides exactly the three places where TRL 1.16.0 plans, packs and scores; the rollout
-    worker, weight sync, optimizer and logging are TRL's. `samples_per_plan` defaults to one
+    Overrides exactly the places where TRL 1.16.0 plans, packs, scores and groups a step's
+    micro-batches (`_OVERRIDES`); the rollout worker, weight sync, optimizer and logging are TRL's. `samples_per_plan` defaults to one
     optimizer step of samples when the subclass does not set it.
     """
 
@@ -328,6 +394,19 @@ class TreePackingMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return tree_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """transformers' prefetch of one optimizer step's micro-batches, then the step's totals stamped
+        into each (`objective.stamp_step`), so every micro-batch is normalised by the whole step.
+
+        Calls `transformers.Trainer`'s method by name (TRL does not override it), so that it
+        also works when `install()` puts it on TRL's class, where `super()` would not.
+        """
+        from transformers import Trainer
+
+        batches, num_items = Trainer.get_batch_samples(self, epoch_iterator, num_batches, device)
+        objective.stamp_step(batches)
+        return batches, num_items
 
     def get_train_dataloader(self):
         """TRL 1.16.0's `get_train_dataloader` with `TreeBatcher` and `TreeCollator` in place of its own."""
@@ -349,13 +428,15 @@ class TreePackingMixin:
                 report_to=self.args.report_to,
             )
             self._rollout_dataset = dataset
-            if not self.args.token_budget or self.args.token_budget <= 0:
+            if self.args.token_budget is None:  # TRL: the server's max_model_len
                 self.vllm_client.wait_for_server_ready()
                 self.args.token_budget = self.vllm_client.get_max_model_len()
             per_step = (self.args.per_device_train_batch_size * num_processes
                         * self.args.gradient_accumulation_steps)
+            # token_budget <= 0 is TRL's fixed count: per_device_train_batch_size x ranks samples per micro-batch.
             dataset = TreeBatcher(dataset, num_processes, self.args.token_budget,
-                                  self.samples_per_plan or per_step)
+                                  self.samples_per_plan or per_step,
+                                  samples_per_micro_batch=self.args.per_device_train_batch_size * num_processes)
         else:
             dataset = _EmptyIterableDataset()
         collator = TreeCollator(

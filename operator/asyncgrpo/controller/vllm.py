@@ -55,6 +55,8 @@ def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
     if m.finetuning == "lora":
         args += ["--enable-lora", "--max-lora-rank", str(r.max_lora_rank),
                  "--max-loras", str(r.max_loras)]
+    else:  # dev-mode routes (the puller's swap) answer only to loopback, i.e. the pod itself
+        args += ["--middleware", "asyncgrpo.weights.guard.DevRoutesLoopbackOnly"]
     return args + list(r.extra_args)
 
 

@@ -89,15 +89,14 @@ class VLLMControl:
 
     def weight_version(self) -> str | None:
         """The version the server says it serves (``/update_weight_version`` sets it)."""
-        status, doc = self.call("GET", "/get_world_size", timeout=10) if False else (0, None)
         try:
-            status, doc = self.call("GET", "/weight_version", timeout=10)
+            status, doc = self.call("GET", "/weight_info", timeout=10)
         except OSError:
             return None
         if status != 200:
             return None
         if isinstance(doc, dict):
-            doc = doc.get("weight_version", doc.get("version"))
+            doc = doc.get("weight_version")
         return None if doc is None else str(doc)
 
     def swap(self, weights_dir: Path, version: int) -> None:
@@ -109,7 +108,7 @@ class VLLMControl:
                      {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
             self._ok("reset_prefix_cache", "POST", "/reset_prefix_cache")
             self._ok("update_weight_version", "POST", "/update_weight_version",
-                     {"version": str(version)})
+                     {"new_version": str(version)})
         finally:
             self._ok("resume", "POST", "/resume")
 

@@ -169,3 +169,34 @@ def test_retention_never_drops_the_anchor_kept_versions_build_on(store, tmp_path
     store.client.put_object(Bucket=store.bucket, Key=store.version_prefix(3) + "x", Body=b"x")
     store.prune(2)
     assert store._scan()[1] == {9, 10}
+
+
+def test_moe_anchor_uses_the_checkpoint_names_and_layout(store, tmp_path):
+    """transformers 5 fuses a MoE's experts in memory; the anchor must be what save_pretrained
+    writes (per-expert names), which is what vLLM loads."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from asyncgrpo.trainer.tiny import tiny_model
+
+    model = tiny_model("moe", seed=1)
+    model.save_pretrained(tmp_path / "hf")
+    want = load_file(tmp_path / "hf" / "model.safetensors")
+    pub = BucketWeightTransfer(store, tmp_path / "stage",
+                               to_checkpoint=lambda sd: revert_weight_conversion(model, sd))
+    pub.init_weight_transfer()
+    pub.send_weights(model.named_parameters())
+    store.fetch(1, tmp_path / "got")
+    got = load_file(tmp_path / "got" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in got
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # and deltas are keyed the same way
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts.gate_up_proj[2, 70, 5] += 1  # expert 2, up half
+    pub.send_weights(model.named_parameters())
+    assert store.manifest(2).extra["changed_elements"] == 1
+    store.fetch(2, tmp_path / "d2")
+    apply_delta(tmp_path / "got", tmp_path / "d2" / "delta.safetensors")
+    assert load_file(tmp_path / "got" / "model.safetensors")[
+        "model.layers.0.mlp.experts.2.up_proj.weight"][70 - 64, 5] == want[
+        "model.layers.0.mlp.experts.2.up_proj.weight"][70 - 64, 5] + 1

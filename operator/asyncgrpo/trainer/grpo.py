@@ -135,6 +135,11 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             kwargs["weight_transfer"] = self._weights
             self._fault_versions = set()  # the publisher injects them for weights
         super().__init__(*args, **kwargs)
+        if self._weights is not None:
+            from transformers.core_model_loading import revert_weight_conversion
+
+            hf_model = self.accelerator.unwrap_model(self.model)
+            self._weights.to_checkpoint = lambda sd: revert_weight_conversion(hf_model, sd)
         self._gate = None
         if isinstance(self.rollout_worker, AsyncRolloutWorker):
             self._gate = RolloutGate(self.rollout_worker)

@@ -56,6 +56,10 @@ class BucketWeightTransfer:
       publish: wraps the store call (the trainer passes its retry-until-done wrapper).
       fault_corrupt_versions: versions overwritten in the bucket right after publishing
         (fault injection: exercises the pullers' refusal path for real).
+      to_checkpoint: maps a {name: tensor} piece of the stream to checkpoint names and layout
+        (transformers' ``revert_weight_conversion``: a MoE's fused ``experts.gate_up_proj`` becomes
+        the per-expert ``experts.{e}.gate_proj.weight``/``up_proj.weight`` that vLLM and
+        ``from_pretrained`` read). Identity for dense models.
     """
 
     def __init__(self, store: WeightStore, work_dir: str | Path, *,
@@ -63,7 +67,7 @@ class BucketWeightTransfer:
                  retention: int = 8, max_staleness: int = 0,
                  step_fn: Callable[[], int] = lambda: 0,
                  publish: Callable[[Callable[[], WeightsManifest]], WeightsManifest] | None = None,
-                 fault_corrupt_versions=()):
+                 fault_corrupt_versions=(), to_checkpoint=None):
         if anchor_interval < 1:
             raise ValueError("anchor_interval must be >= 1")
         self.store = store
@@ -75,6 +79,7 @@ class BucketWeightTransfer:
         self.step_fn = step_fn
         self._publish = publish or (lambda fn: fn())
         self.fault_versions = {int(v) for v in fault_corrupt_versions}
+        self.to_checkpoint = to_checkpoint
         self.version = 0  # last published version (the bucket's newest after init)
         self.anchor = 0  # version of the anchor the current chain starts from
         self._prev: dict | None = None  # CPU copy of the last published version
@@ -108,10 +113,7 @@ class BucketWeightTransfer:
         self._prev = None  # a failure below leaves no half-updated base behind
         delta: dict = {}
         changed = total = 0
-        for name, tensor in iterator:
-            t = tensor.detach().to("cpu", dtype=self.dtype or tensor.dtype).contiguous()
-            if t.data_ptr() == tensor.data_ptr():
-                t = t.clone()  # the stream may hand out live parameters
+        for name, t in self._checkpoint_tensors(iterator):
             total += t.numel()
             if not full:
                 old = current.get(name)
@@ -157,6 +159,17 @@ class BucketWeightTransfer:
             self.store.prune(self.retention, self.max_staleness)
         except Exception as err:  # noqa: BLE001 - old versions linger; the next publish retries
             log.warning("pruning weight versions failed: %s", err)
+
+    def _checkpoint_tensors(self, iterator):
+        """(checkpoint name, contiguous CPU tensor in the publish dtype), one piece at a time."""
+        for name, tensor in iterator:
+            t = tensor.detach().to("cpu", dtype=self.dtype or tensor.dtype)
+            pieces = {name: t} if self.to_checkpoint is None else self.to_checkpoint({name: t})
+            for ck_name, piece in pieces.items():
+                piece = piece.contiguous()
+                if piece.data_ptr() == tensor.data_ptr():
+                    piece = piece.clone()  # the stream may hand out live parameters
+                yield ck_name, piece
 
     def _corrupt(self, manifest: WeightsManifest) -> None:
         rel = next(k for k in manifest.files if k.endswith(".safetensors"))

@@ -200,3 +200,14 @@ def test_moe_anchor_uses_the_checkpoint_names_and_layout(store, tmp_path):
     assert load_file(tmp_path / "got" / "model.safetensors")[
         "model.layers.0.mlp.experts.2.up_proj.weight"][70 - 64, 5] == want[
         "model.layers.0.mlp.experts.2.up_proj.weight"][70 - 64, 5] + 1
+
+
+def test_a_delta_larger_than_the_weights_is_published_as_an_anchor(store, tmp_path):
+    pub = BucketWeightTransfer(store, tmp_path / "stage", anchor_interval=100)
+    pub.init_weight_transfer()
+    state = _model()
+    pub.send_weights(iter(state.items()))
+    pub.send_weights(iter(_step(state, 0).items()))  # a few elements: a delta
+    dense = {n: t + 1 for n, t in state.items()}  # every element: 3x the bytes as a delta
+    pub.send_weights(iter(dense.items()))
+    assert [store.manifest(v).kind for v in (1, 2, 3)] == [ANCHOR, DELTA, ANCHOR]

@@ -127,6 +127,12 @@ class BucketWeightTransfer:
             current[name] = t
         if not current:
             raise ValueError("send_weights got no tensors")
+        if not full:
+            # index + value per changed element: past about a third of the elements (bf16)
+            # a delta outweighs the full copy, and an anchor also shortens the chain
+            anchor_bytes = sum(t.numel() * t.element_size() for t in current.values())
+            delta_bytes = sum(t.numel() * t.element_size() for t in delta.values())
+            full = delta_bytes >= anchor_bytes
         dtype = str(next(iter(current.values())).dtype).removeprefix("torch.")
         out = self.work_dir / f"v{version}"
         shutil.rmtree(out, ignore_errors=True)

@@ -94,12 +94,15 @@ def main() -> None:
           f"{'changed/step (median, min-max)':>32}")
     fractions = {}
     for lr, pubs in result["runs"].items():
-        anchor = next(p for p in pubs if p["kind"] == "anchor")
-        deltas = [p for p in pubs if p["kind"] == "delta"]
-        fr = [p["changed_elements"] / p["elements"] for p in deltas]
-        db = statistics.median(p["bytes"] for p in deltas)
+        anchor = pubs[0]
+        diffed = [p for p in pubs if p["changed_elements"] is not None]
+        deltas = [p for p in diffed if p["kind"] == "delta"]
+        fr = [p["changed_elements"] / p["elements"] for p in diffed]
         fractions[lr] = statistics.median(fr)
-        print(f"{lr:>8} {anchor['bytes']:>13,} {int(db):>21,} {db / anchor['bytes']:>13.3f} "
+        db = (f"{int(statistics.median(p['bytes'] for p in deltas)):>21,} "
+              f"{statistics.median(p['bytes'] for p in deltas) / anchor['bytes']:>13.3f}"
+              if deltas else f"{'(anchors: smaller)':>21} {'-':>13}")
+        print(f"{lr:>8} {anchor['bytes']:>13,} {db} "
               f"{statistics.median(fr):>14.2%} ({min(fr):.2%}-{max(fr):.2%})")
     result["fraction_changed_median"] = fractions
 

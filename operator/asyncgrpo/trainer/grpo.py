@@ -227,13 +227,23 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         BucketWeightTransfer on rank 0, which picks the version number."""
         if self._weights is None:
             return super()._sync_weight_merged(t0)
+        from asyncgrpo.trainer.weights import probe_logprobs
+
         model = self.accelerator.unwrap_model(self.model)
-        trained = self._trained_probe(model) if self._probe_ids is not None else None
+        trained = None
+        if self._probe_ids is not None:
+            impl = model.config._attn_implementation
+            model.set_attn_implementation("sdpa")  # one causal row, not the tree path
+            try:
+                trained = probe_logprobs(model, self._probe_ids)
+            finally:
+                model.set_attn_implementation(impl)
         main = self.accelerator.is_main_process
         if main:
             if trained is not None:
-                self._weights.pending_extra = {
-                    "probe": {"token_ids": self._probe_ids, "logprobs": trained}}
+                self._weights.pending_extra = {"probe": {
+                    "token_ids": self._probe_ids, "logprobs": trained[0],
+                    "next_logprob": trained[1]}}
             self.model_version = self._weights.version  # TRL adds one after the send
         marks = super()._sync_weight_merged(t0)
         if main:

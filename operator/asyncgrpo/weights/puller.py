@@ -112,6 +112,14 @@ class VLLMControl:
         finally:
             self._ok("resume", "POST", "/resume")
 
+    def next_logprob(self, model: str, token_ids: list[int]) -> float:
+        """Log-prob of the greedy token after ``token_ids``, generated: through the prefix
+        cache, unlike prompt log-probs."""
+        doc = self._ok("completion", "POST", "/v1/completions", {
+            "model": model, "prompt": [int(t) for t in token_ids], "max_tokens": 1,
+            "temperature": 0.0, "logprobs": 1})
+        return float(doc["choices"][0]["logprobs"]["token_logprobs"][0])  # type: ignore[index]
+
     def served_model(self) -> str:
         doc = self._ok("models", "GET", "/v1/models")
         return str(doc["data"][0]["id"])  # type: ignore[index]
@@ -248,6 +256,13 @@ class Puller:
         return tag is None or tag == str(version)
 
     def _swap(self, version: int, manifest: WeightsManifest | None) -> bool:
+        probe = (manifest.extra.get("probe") if self.probe and manifest is not None
+                 and manifest.version == version else None)
+        if probe and "next_logprob" in probe:
+            try:  # cache the probe's prefix under the old weights: the check below must see it
+                self.vllm.next_logprob(self.vllm.served_model(), probe["token_ids"])
+            except (SwapFailed, OSError, KeyError, ValueError, TypeError):
+                pass
         t0 = time.time()
         try:
             self.vllm.swap(self.current, version)
@@ -280,9 +295,13 @@ class Puller:
             served = served_prompt_logprobs(self.vllm.base_url, self.vllm.served_model(),
                                             probe["token_ids"])
             cmp = compare(served, probe["logprobs"])
-        except (ProbeError, SwapFailed, OSError, KeyError, ValueError) as err:
+            out = {"probe_max_diff": cmp.max_abs_diff, "probe_mean_diff": cmp.mean_abs_diff}
+            if "next_logprob" in probe:
+                served_next = self.vllm.next_logprob(self.vllm.served_model(), probe["token_ids"])
+                out["probe_cached_diff"] = abs(served_next - float(probe["next_logprob"]))
+        except (ProbeError, SwapFailed, OSError, KeyError, ValueError, TypeError) as err:
             return {"probe_error": str(err)[:300]}
-        return {"probe_max_diff": cmp.max_abs_diff, "probe_mean_diff": cmp.mean_abs_diff}
+        return out
 
     # -- loop and status ---------------------------------------------------------------------
 

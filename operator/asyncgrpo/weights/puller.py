@@ -43,7 +43,13 @@ from pathlib import Path
 
 from asyncgrpo.adapters.store import AdapterStoreError, StoreUnavailable
 from asyncgrpo.weights.format import DELTA_FILE, DeltaMismatch, apply_delta
-from asyncgrpo.weights.store import ANCHOR, WeightsCorrupt, WeightsManifest, WeightStore
+from asyncgrpo.weights.store import (
+    ANCHOR,
+    WeightsCorrupt,
+    WeightsManifest,
+    WeightsNotFound,
+    WeightStore,
+)
 
 log = logging.getLogger(__name__)
 STATE = "STATE.json"
@@ -219,35 +225,69 @@ class Puller:
         if not self._vllm_has(self.served_version):
             self.served_version = None  # vLLM restarted under us: swap the local copy back in
         try:
-            plan = self._plan(latest) if self.local_version != latest else []
+            applied = self._catch_up(latest)
         except StoreUnavailable as err:
             self.errors += 1
             log.warning("weights: %s", err)
             return False
-        except (WeightsCorrupt, AdapterStoreError) as err:
-            self.errors += 1
-            log.error("weights: no usable chain to v%d: %s", latest, err)
-            plan = []
-        applied = None
-        for m in plan:
-            try:
-                (self._take_anchor if m.kind == ANCHOR else self._take_delta)(m)
-                applied = m
-            except (WeightsCorrupt, DeltaMismatch) as err:
-                self.refused[m.version] = str(err)[:300]
-                log.error("weights v%d refused: %s; keeping v%s", m.version, err,
-                          self.served_version)
-                break
-            except AdapterStoreError as err:
-                self.errors += 1
-                log.warning("weights v%d not fetched: %s", m.version, err)
-                break
         target = self.local_version
         if target is None or target == self.served_version:
-            if self.served_version is not None and not plan:
+            if self.served_version is not None and self._caught_up(latest):
                 self.ready = True
             return False
         return self._swap(target, applied)
+
+    def _caught_up(self, latest: int) -> bool:
+        """Nothing newer than the served version can be had (all newer ones refused)."""
+        return all(v in self.refused for v in range(self.served_version + 1, latest + 1))
+
+    def _catch_up(self, latest: int) -> WeightsManifest | None:
+        """Bring the local copy to the newest version that is not refused; returns the last
+        version applied (None if nothing changed).
+
+        Tries ``latest`` first; when its chain holds a refused version it tries the version
+        below (whose chain may start at an older anchor), down to the local version. A
+        version already pruned ends the search: nothing older exists.
+        """
+        applied = None
+        floor = self.local_version or 0
+        for target in range(latest, floor, -1):
+            if target in self.refused or self.local_version == target:
+                if self.local_version == target:
+                    return applied
+                continue
+            try:
+                plan = self._plan(target)
+            except WeightsNotFound:
+                return applied
+            except StoreUnavailable:
+                raise
+            except WeightsCorrupt as err:  # a manifest of its chain is unusable: so is it
+                self.refused[target] = str(err)[:300]
+                log.error("weights v%d refused: no usable chain: %s", target, err)
+                continue
+            except AdapterStoreError as err:
+                self.errors += 1
+                log.warning("weights: chain to v%d not read: %s", target, err)
+                return applied
+            for m in plan:
+                try:
+                    (self._take_anchor if m.kind == ANCHOR else self._take_delta)(m)
+                    applied = m
+                except (WeightsCorrupt, DeltaMismatch) as err:
+                    self.refused[m.version] = str(err)[:300]
+                    log.error("weights v%d refused: %s; serving v%s", m.version, err,
+                              self.served_version)
+                    break
+                except StoreUnavailable:
+                    raise
+                except AdapterStoreError as err:
+                    self.errors += 1
+                    log.warning("weights v%d not fetched: %s", m.version, err)
+                    return applied
+            if self.local_version == target:
+                return applied
+        return applied
 
     def _vllm_has(self, version: int | None) -> bool:
         if version is None:

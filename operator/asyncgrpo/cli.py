@@ -21,6 +21,7 @@ _COMMAND_MODULES: dict[str, str] = {
     "gateway": "asyncgrpo.sandbox.commands",
     "operator": "asyncgrpo.controller.commands",
     "local": "asyncgrpo.local.commands",
+    "weights": "asyncgrpo.weights.commands",
 }
 
 

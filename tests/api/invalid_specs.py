@@ -63,6 +63,8 @@ SCHEMA_INVALID = [
     ("bad-harness", _mutate(("spec.harness", {"type": "three-turn"})), "spec.harness.type"),
     ("endpoint-not-url", _mutate(("spec.adapterStore.endpoint", "minio:9000")),
      "spec.adapterStore.endpoint"),
+    ("anchor-interval-zero", _mutate(("spec.model.full", {"anchorInterval": 0})),
+     "spec.model.full.anchorInterval"),
 ]
 
 #: Valid to the schema, refused by the cross-field rules (asyncgrpo validate, the operator).
@@ -94,6 +96,8 @@ SEMANTIC_INVALID = [
      "spec.trainer.tokenBudgetPerRank"),
     ("completion-fills-context", _mutate(("spec.rollout.sampling.maxCompletionTokens", 8192)),
      "spec.rollout.sampling.maxCompletionTokens"),
+    ("full-without-local-disk", _mutate(("spec.model.finetuning", "full")),
+     "spec.model.full.localDisk"),
     ("flex-on-cpu", _mutate(("spec.model.attention", "tree-flex"),
                             ("spec.trainer.gpusPerReplica", 0)), "spec.model.attention"),
     ("bad-regex", _mutate(("spec.reward.functions", [{"name": "regex_match",

@@ -166,11 +166,30 @@ def test_vllm_serves_lora_from_the_bucket():
     assert dep["spec"]["replicas"] == run.spec.rollout.replicas
 
 
-def test_full_finetuning_uses_weight_transfer_not_lora():
+def test_full_finetuning_pulls_weights_from_the_bucket_in_a_sidecar():
     run = run_of("full-finetune.yaml")
-    c = vllm.build_deployment(run)["spec"]["template"]["spec"]["containers"][0]
+    pod = vllm.build_deployment(run)["spec"]["template"]["spec"]
+    c, puller = pod["containers"]
     assert "--enable-lora" not in c["args"]
     assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
+    assert puller["command"] == ["asyncgrpo", "weights", "pull"]
+    assert puller["readinessProbe"]["httpGet"]["path"] == "/ready"
+    env = {e["name"]: e.get("value") for e in puller["env"]}
+    assert env["ASYNCGRPO_WEIGHTS_VLLM_URL"] == "http://127.0.0.1:8000"  # loopback, same pod
+    assert env["ASYNCGRPO_ADAPTER_RUN"] == run.metadata.name
+    # one emptyDir sized for the copies, written by the puller, read by vLLM
+    vol = next(v for v in pod["volumes"] if v["name"] == "weights")
+    assert vol["emptyDir"]["sizeLimit"] == "4Gi"
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["weights"]["readOnly"] is True
+    assert {m["mountPath"] for m in puller["volumeMounts"] if m["name"] == "weights"} == {
+        mounts["weights"]["mountPath"]}
+
+
+def test_lora_vllm_pod_has_no_puller():
+    pod = vllm.build_deployment(run_of())["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["vllm"]
+    assert all(v["name"] != "weights" for v in pod["volumes"])
 
 
 def test_sandbox_pod_is_locked_down():

@@ -100,6 +100,23 @@ class LoraSpec(Model):
     )
 
 
+class FullFinetuningSpec(Model):
+    """Full fine-tuning: every version's weights go through the bucket to each vLLM replica."""
+
+    anchor_interval: int = Field(
+        default=10, ge=1, le=10000,
+        description="A full copy of the weights (anchor) every this many versions; the "
+        "versions between are sparse deltas against the previous one. Smaller: more bytes "
+        "per step, faster catch-up for a replica that starts or falls behind.",
+    )
+    local_disk: Quantity | None = Field(
+        default=None,
+        description="Size of each vLLM pod's emptyDir for the puller: the served full copy "
+        "plus the next anchor while it downloads, so at least 2 x parameters x bytes per "
+        "parameter (bfloat16: 2), e.g. 120Gi for a 30B model. Required with finetuning=full.",
+    )
+
+
 class ModelSpec(Model):
     """The policy's base model and how it is fine-tuned."""
 
@@ -122,9 +139,12 @@ class ModelSpec(Model):
     finetuning: Literal["lora", "full"] = Field(
         default="lora",
         description="lora: train an adapter, served from the bucket by name. full: train all "
-        "weights, synced to vLLM with TRL's weight transfer.",
+        "weights, published to the bucket (anchors + sparse deltas) and pulled by a sidecar "
+        "in every vLLM pod; each replica needs local disk for two full copies.",
     )
     lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings (finetuning=lora).")
+    full: FullFinetuningSpec = Field(default_factory=FullFinetuningSpec,
+                                     description="Full fine-tuning settings (finetuning=full).")
 
 
 # ---------------------------------------------------------------- trainer

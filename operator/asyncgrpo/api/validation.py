@@ -114,6 +114,12 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
     if m.finetuning == "lora" and m.lora.rank > r.max_lora_rank:
         err("spec.model.lora.rank", f"rank {m.lora.rank} is above spec.rollout.maxLoraRank "
             f"{r.max_lora_rank}: vLLM would refuse the adapter")
+    if m.finetuning == "full" and m.full.local_disk is None:
+        err("spec.model.full.localDisk", "full fine-tuning keeps the weights on each vLLM "
+            "pod's local disk: the served full copy plus the next anchor while it downloads. "
+            "Set it to at least 2 x parameters x bytes per parameter (bfloat16: 2 bytes; a 30B "
+            "model needs 120Gi). The trainer's rank 0 also holds one full copy in CPU memory "
+            "(the base of the next delta): give its pod that much memory on top of training.")
     if m.attention == "tree-flex" and t.gpus_per_replica == 0:
         err("spec.model.attention", "tree-flex needs GPUs (FlexAttention has no CPU backward): "
             "use tree-sdpa or auto with gpusPerReplica: 0")

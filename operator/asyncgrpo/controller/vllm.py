@@ -2,9 +2,14 @@
 
 LoRA runs load adapters by name through the asyncgrpo S3 resolver plugin
 (`asyncgrpo.adapters.vllm_plugin`, configured by the ASYNCGRPO_ADAPTER_* variables), which
-vLLM consults only with runtime LoRA updating on. Full fine-tuning syncs weights through TRL's
-weight-transfer routes, which need vLLM's dev-mode server. One API-server process per pod:
-runtime LoRA updating rules out several.
+vLLM consults only with runtime LoRA updating on. One API-server process per pod: runtime LoRA
+updating rules out several.
+
+Full fine-tuning adds a sidecar, `asyncgrpo weights pull` (`asyncgrpo.weights.puller`), that
+follows the run's weights/ folder in the bucket and swaps each version into the vLLM server
+beside it through the dev-mode routes on loopback; an emptyDir holds its full copy, and the
+pod is Ready only once the sidecar has loaded the newest version. No port from the trainer to
+vLLM, no NCCL.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from asyncgrpo.controller.common import (
 
 COMPONENT = "vllm"
 CACHE_DIR = "/var/cache/asyncgrpo"
+WEIGHTS_DIR = f"{CACHE_DIR}/weights"
+PULLER_PORT = 8100
 
 
 def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
@@ -48,6 +55,8 @@ def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
     if m.finetuning == "lora":
         args += ["--enable-lora", "--max-lora-rank", str(r.max_lora_rank),
                  "--max-loras", str(r.max_loras)]
+    else:  # dev-mode routes (the puller's swap) answer only to loopback, i.e. the pod itself
+        args += ["--middleware", "asyncgrpo.weights.guard.DevRoutesLoopbackOnly"]
     return args + list(r.extra_args)
 
 
@@ -61,6 +70,28 @@ def server_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
     if run.spec.model.finetuning == "full":
         env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
     return env + bucket_env(run)
+
+
+def puller_container(run: AsyncGRPORun) -> dict[str, Any]:
+    """The weights puller sidecar (full fine-tuning): same image, the `asyncgrpo` command."""
+    env = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "ASYNCGRPO_WEIGHTS_DIR", "value": WEIGHTS_DIR},
+        {"name": "ASYNCGRPO_WEIGHTS_VLLM_URL", "value": f"http://127.0.0.1:{VLLM_PORT}"},
+        {"name": "ASYNCGRPO_WEIGHTS_PORT", "value": str(PULLER_PORT)},
+    ]
+    return {
+        "name": "weights-puller",
+        "image": run.spec.rollout.image,
+        "command": ["asyncgrpo", "weights", "pull"],
+        "env": env + bucket_env(run),
+        "ports": [{"name": "weights", "containerPort": PULLER_PORT}],
+        "securityContext": container_security(),
+        # Ready once the newest version is served: a fresh replica gets no rollouts before.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "weights"}, "periodSeconds": 5},
+        "volumeMounts": [{"name": "weights", "mountPath": WEIGHTS_DIR},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
 
 
 def build_service(run: AsyncGRPORun) -> dict[str, Any]:
@@ -91,6 +122,16 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
                          {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
     }
+    containers = [container]
+    volumes = [tmp_volume("cache"), tmp_volume(), tmp_volume("dshm", medium="Memory")]
+    full = run.spec.model.full
+    if run.spec.model.finetuning == "full":
+        # vLLM reads the puller's copy at reload time: the same emptyDir, read-only here.
+        container["volumeMounts"].append({"name": "weights", "mountPath": WEIGHTS_DIR,
+                                          "readOnly": True})
+        containers.append(puller_container(run))
+        size = None if full.local_disk is None else str(full.local_disk)
+        volumes.append(tmp_volume("weights", size=size))
     return stamp({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -104,9 +145,8 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
                     "serviceAccountName": name(run, "workload"),
                     "automountServiceAccountToken": False,
                     "securityContext": pod_security(),
-                    "containers": [container],
-                    "volumes": [tmp_volume("cache"), tmp_volume(),
-                                tmp_volume("dshm", medium="Memory")],
+                    "containers": containers,
+                    "volumes": volumes,
                 },
             },
         },

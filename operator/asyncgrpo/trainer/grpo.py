@@ -18,7 +18,11 @@ Version numbers never repeat: a resumed trainer continues after the newest compl
 version in the bucket, which may be newer than its checkpoint (versions published after
 the checkpoint were served under those names and are immutable).
 
-Full fine-tuning keeps TRL's own weight transfer (`_sync_weight_merged`) untouched.
+Full fine-tuning (`weight_store=`): TRL's `_sync_weight_merged` streams every parameter,
+gathered under FSDP2, into `asyncgrpo.trainer.weights.BucketWeightTransfer` (TRL's
+`weight_transfer=` protocol), which publishes `weights/v{N}` (anchor or sparse delta, manifest
+last) with the trained log-probs of the probe in the manifest. Each vLLM replica's puller
+swaps it in and checks the served log-probs against those. TRL's NCCL client is never built.
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                  probe_ids=None, probe_tolerance: float = 0.05, checkpoints=None,
                  retention: int = 8, max_staleness: int = 0, retry_attempts: int = 8,
                  retry_backoff_s: float = 1.0, fault_corrupt_versions=(), status_file=None,
-                 **kwargs):
+                 weight_store=None, anchor_interval: int = 10, **kwargs):
         if not served_prefix.endswith("-v"):
             raise ValueError(f"served_prefix {served_prefix!r} must end in '-v'")
         self._served_lora_name = served_prefix[:-2]
@@ -115,7 +119,27 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         self.published: list[dict] = []  # this process's publishes, for status and tests
         self.resumed_from_step: int | None = None
         self.history: list[dict] = []  # per logged step: reward, loss (rank 0; bounded)
+        self._weights = None
+        if weight_store is not None:
+            from asyncgrpo.trainer.weights import BucketWeightTransfer
+
+            work = Path(kwargs["args"].output_dir) / "weights-staging"
+            self._weights = BucketWeightTransfer(
+                weight_store, work, anchor_interval=anchor_interval, retention=retention,
+                max_staleness=max_staleness, step_fn=lambda: int(self.state.global_step),
+                publish=lambda fn: retry("publish weights", fn, attempts=None,
+                                         backoff_s=retry_backoff_s,
+                                         transient=lambda e: isinstance(e, StoreUnavailable),
+                                         on_retry=self._on_retry("s3")),
+                fault_corrupt_versions=fault_corrupt_versions)
+            kwargs["weight_transfer"] = self._weights
+            self._fault_versions = set()  # the publisher injects them for weights
         super().__init__(*args, **kwargs)
+        if self._weights is not None:
+            from transformers.core_model_loading import revert_weight_conversion
+
+            hf_model = self.accelerator.unwrap_model(self.model)
+            self._weights.to_checkpoint = lambda sd: revert_weight_conversion(hf_model, sd)
         self._gate = None
         if isinstance(self.rollout_worker, AsyncRolloutWorker):
             self._gate = RolloutGate(self.rollout_worker)
@@ -196,6 +220,44 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         t_transfer = time.time()
         self.accelerator.wait_for_everyone()
         return t_pause, t_barrier, t_transfer
+
+    def _sync_weight_merged(self, t0: float):
+        """Full weights through the bucket: the trained probe goes into the manifest (every
+        rank takes part in its forward under FSDP2), then TRL streams the parameters into
+        BucketWeightTransfer on rank 0, which picks the version number."""
+        if self._weights is None:
+            return super()._sync_weight_merged(t0)
+        from asyncgrpo.trainer.weights import probe_logprobs
+
+        model = self.accelerator.unwrap_model(self.model)
+        trained = None
+        if self._probe_ids is not None:
+            impl = model.config._attn_implementation
+            model.set_attn_implementation("sdpa")  # one causal row, not the tree path
+            try:
+                trained = probe_logprobs(model, self._probe_ids)
+            finally:
+                model.set_attn_implementation(impl)
+        main = self.accelerator.is_main_process
+        if main:
+            if trained is not None:
+                self._weights.pending_extra = {"probe": {
+                    "token_ids": self._probe_ids, "logprobs": trained[0],
+                    "next_logprob": trained[1]}}
+            self.model_version = self._weights.version  # TRL adds one after the send
+        marks = super()._sync_weight_merged(t0)
+        if main:
+            record = dict(self._weights.published[-1])
+            self.published.append(record)
+            m = self._metrics_sink
+            if m is not None:
+                m.set("policy_version", record["version"])
+                m.observe("adapter_publish_seconds", time.time() - t0)
+                m.set("adapter_publish_bytes", record["bytes"])
+                m.inc("adapter_published_bytes_total", record["bytes"])
+                m.hint("AdapterStoreReachable", True, "Published", f"weights v{record['version']}")
+            self._write_status()
+        return marks
 
     def _publish(self, version: int, adapter_dir: str, t0: float) -> None:
         step = int(self.state.global_step)

@@ -117,6 +117,14 @@ def _bucket_parts(run, env: RuntimeEnv, metrics):
     return store, CheckpointStore(bucket), data_bucket
 
 
+def _weight_store(store):
+    """The run's weights folder, beside its adapters (same bucket, client and run folder)."""
+    from asyncgrpo.weights.store import WeightStore
+
+    return WeightStore(store.bucket, run=store.run, prefix=store.prefix, client=store.client,
+                       attempts=store.attempts, backoff_s=store.backoff_s)
+
+
 def run_trainer(run, env: RuntimeEnv | None = None) -> int:
     """Train the run to its last step (or ASYNCGRPO_MAX_STEPS); returns an exit code."""
     import torch
@@ -181,7 +189,7 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
         store=store,
         served_prefix=env.adapter_name_prefix,
         metrics=metrics,
-        probe_ids=probe_token_ids(tokenizer) if lora else None,
+        probe_ids=probe_token_ids(tokenizer),
         probe_tolerance=env.probe_tolerance,
         checkpoints=checkpoints,
         retention=spec.adapter_store.retention,
@@ -191,6 +199,8 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
         fault_corrupt_versions=env.fault_corrupt_versions,
         status_file=env.work_dir / "status.json",
         samples_per_plan=spec.trainer.prompts_per_step * spec.trainer.num_generations,
+        weight_store=None if lora else _weight_store(store),
+        anchor_interval=spec.model.full.anchor_interval,
     )
     trainer.resumed_from_step = latest
     try:

@@ -1,0 +1,51 @@
+"""`asyncgrpo weights pull`: the puller sidecar of a vLLM pod (full fine-tuning)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+#: Port of the puller's /ready and /status (the vLLM pod's readiness probe asks it).
+DEFAULT_PORT = 8100
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("weights", help="full fine-tuning weights (the vLLM-side puller)")
+    wsub = p.add_subparsers(dest="weights_command", required=True)
+    pull = wsub.add_parser(
+        "pull", help="keep the vLLM server beside this process on the newest weights version",
+        description="Follows <run folder>/weights/ in the run's bucket (ASYNCGRPO_ADAPTER_* "
+        "variables, as for the LoRA resolver), applies each version to a local full copy and "
+        "swaps it into the vLLM server (dev-mode routes, loopback). See docs/weights.md.")
+    pull.add_argument("--vllm-url", default=os.environ.get("ASYNCGRPO_WEIGHTS_VLLM_URL",
+                                                           "http://127.0.0.1:8000"))
+    pull.add_argument("--work-dir", default=os.environ.get("ASYNCGRPO_WEIGHTS_DIR",
+                                                           "/var/cache/asyncgrpo/weights"),
+                      help="local full copy (give it an emptyDir sized for two full copies)")
+    pull.add_argument("--host", default=os.environ.get("ASYNCGRPO_WEIGHTS_HOST", "0.0.0.0"))
+    pull.add_argument("--port", type=int,
+                      default=int(os.environ.get("ASYNCGRPO_WEIGHTS_PORT", DEFAULT_PORT)))
+    pull.add_argument("--poll-seconds", type=float,
+                      default=float(os.environ.get("ASYNCGRPO_WEIGHTS_POLL_S", "2")))
+    pull.set_defaults(func=_pull)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from asyncgrpo.weights.puller import Puller, VLLMControl
+    from asyncgrpo.weights.store import WeightStore
+
+    logging.basicConfig(level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    puller = Puller(WeightStore.from_env(), VLLMControl(args.vllm_url), args.work_dir,
+                    poll_s=args.poll_seconds)
+    server = puller.serve_status(args.host, args.port)
+    signal.signal(signal.SIGTERM, lambda *_: puller.stop())
+    try:
+        puller.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    return 0

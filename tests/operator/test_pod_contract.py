@@ -24,13 +24,15 @@ from asyncgrpo.controller.common import VLLM_PORT
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.yaml"))
-IMAGE_OF = {"trainer": "trainer", "vllm": "vllm", "gateway": "sandbox", "sandbox": "sandbox"}
+IMAGE_OF = {"trainer": "trainer", "vllm": "vllm", "gateway": "sandbox", "sandbox": "sandbox",
+            "weights-puller": "vllm"}
 #: the variables naming where each program writes (its code, TRL's and Hugging Face's)
 WRITES = {
     "trainer": ("HOME", "HF_HOME", "ASYNCGRPO_WORK_DIR"),
     "vllm": ("HOME", "HF_HOME", "ASYNCGRPO_ADAPTER_CACHE_DIR"),
     "gateway": (),
     "sandbox": ("ASYNCGRPO_SANDBOX_WORKSPACE",),
+    "weights-puller": ("HOME", "ASYNCGRPO_WEIGHTS_DIR"),
 }
 
 
@@ -41,6 +43,16 @@ def workloads(run) -> dict[str, dict]:
     if run.spec.sandboxes is not None:
         out["gateway"] = gateway.build_deployment(run)["spec"]["template"]["spec"]
         out["sandbox"] = sandboxes.build_pod(run, "x")["spec"]
+    return out
+
+
+def containers_of(run) -> dict[str, tuple[dict, dict]]:
+    """component (or sidecar name) -> (pod spec, container): every container that runs."""
+    out = {}
+    for component, pod in workloads(run).items():
+        main, *sidecars = pod["containers"]
+        out[component] = (pod, main)
+        out.update({c["name"]: (pod, c) for c in sidecars})
     return out
 
 
@@ -85,15 +97,14 @@ def expand(script: str, env: dict[str, str], hostname: str) -> list[str]:
 def cases():
     for example in EXAMPLES:
         run = load_run(REPO / "examples" / example)
-        for component in workloads(run):
+        for component in containers_of(run):
             yield pytest.param(example, component, id=f"{example}-{component}")
 
 
 @pytest.mark.parametrize(("example", "component"), list(cases()))
 def test_container_matches_its_program_and_image(example, component, monkeypatch):
     run = load_run(REPO / "examples" / example)
-    pod = workloads(run)[component]
-    (container,) = pod["containers"]
+    pod, container = containers_of(run)[component]
     env = plain_env(container)
     argv = [*container.get("command", []), *container.get("args", [])]
     listens: set[int] = set()

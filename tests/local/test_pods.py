@@ -154,8 +154,9 @@ def test_every_service_port_is_its_target_port():
         if run.spec.sandboxes is not None:
             built.append((gateway.build_service(run), gateway.build_deployment(run)))
         for svc, workload in built:
-            (c,) = workload["spec"]["template"]["spec"]["containers"]
-            named = {p["name"]: p["containerPort"] for p in c["ports"]}
+            named = {p["name"]: p["containerPort"]
+                     for c in workload["spec"]["template"]["spec"]["containers"]
+                     for p in c.get("ports", [])}
             for p in svc["spec"]["ports"]:
                 target = p["targetPort"]
                 assert named.get(target, target) == p["port"], (example.name, svc, p)

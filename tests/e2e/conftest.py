@@ -117,8 +117,8 @@ class Stack:
         self.kubectl("create", "namespace", ns)
         if s3_secret:
             self.kubectl("-n", ns, "create", "secret", "generic", "s3",
-                         f"--from-literal=accessKeyId={self.s3.access_key}",
-                         f"--from-literal=secretAccessKey={self.s3.secret_key}")
+                         f"--from-literal=AWS_ACCESS_KEY_ID={self.s3.access_key}",
+                         f"--from-literal=AWS_SECRET_ACCESS_KEY={self.s3.secret_key}")
         return ns
 
     def logs(self, ns: str, selector: str) -> str:

@@ -64,6 +64,9 @@ def _derived_images() -> dict[str, str]:
 
     ctx = _cache() / "e2e" / "tiny-image"
     model, _ = prepare_demo(ctx)
+    # safetensors writes 0600 files: pods run as 65532, not as the files' owner
+    for path in [ctx, *ctx.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     built = {}
     for base, ref in ((f"ghcr.io/asyncgrpo/trainer:{IMAGE_TAG}", E2E_TRAINER_IMAGE),
                       (f"ghcr.io/asyncgrpo/vllm:{IMAGE_TAG}", E2E_VLLM_IMAGE)):

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from asyncgrpo import API_GROUP, API_VERSION, KIND
+from asyncgrpo.api.layout import PREFIX_PATTERN
 
 #: A Kubernetes resource quantity: "500m", "16Gi", 2.
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
@@ -32,6 +33,18 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 BUCKET_NAME = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
+#: An S3 endpoint: scheme, a host (name, IPv4 or [IPv6]), an optional port and path; no user
+#: info, query or fragment.
+ENDPOINT_URL = (r"^https?://([A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
+                r"(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
+#: A run name: a DNS-1035 label (children become Services, whose names must start with a
+#: letter).
+RUN_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+#: The longest value derived from the run name is the trainer StatefulSet's pod label
+#: controller-revision-hash, "<run>-trainer-<hash>" with a hash of up to 10 characters;
+#: label values hold 63 characters, so 63 - len("-trainer-") - 10 = 44. (Pod names such as
+#: "<run>-trainer-<ordinal>" and "<run>-sandbox-<4>" are shorter.)
+MAX_RUN_NAME = 63 - len("-trainer-") - 10
 
 
 class Model(BaseModel):
@@ -279,13 +292,18 @@ class AdapterStoreSpec(Model):
     """S3-compatible bucket holding adapters (per policy version), checkpoints and data."""
 
     endpoint: str | None = Field(
-        default=None, pattern=r"^https?://",
-        description="S3 endpoint URL (MinIO, Ceph, GCS interop...); empty for AWS S3.",
+        default=None, max_length=2048, pattern=ENDPOINT_URL,
+        description="S3 endpoint URL, http(s)://host[:port][/path] (MinIO, Ceph, GCS "
+        "interop...); empty for AWS S3. The cluster admin may restrict endpoints.",
     )
     bucket: str = Field(pattern=BUCKET_NAME, description="Bucket name.")
-    prefix: str = Field(default="asyncgrpo", pattern=r"^[A-Za-z0-9._/-]*$",
-                        description="Key prefix; the run writes under <prefix>/<run name>/.")
-    region: str = Field(default="us-east-1", min_length=1, description="Bucket region.")
+    prefix: str = Field(
+        default="asyncgrpo", min_length=1, max_length=256, pattern=PREFIX_PATTERN,
+        description="Key prefix; the run writes under <prefix>/<namespace>/<run name>/. "
+        "Segments of letters, digits, '.', '_', '-' joined by '/'; no empty, '.' or '..' "
+        "segment, no leading or trailing '/'.")
+    region: str = Field(default="us-east-1", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$",
+                        description="Bucket region.")
     credentials_secret: SecretKeyRef | None = Field(
         default=None,
         description="Secret with S3 credentials; empty uses the pods' ambient identity (IRSA...).",

@@ -20,10 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from asyncgrpo import API_GROUP, KIND
-from asyncgrpo.api.v1alpha1 import DNS_LABEL, AsyncGRPORun
-
-#: Children append up to 13 characters ("-sandbox-" + 4) to the run name; keep them DNS labels.
-MAX_RUN_NAME = 50
+from asyncgrpo.api.v1alpha1 import MAX_RUN_NAME, RUN_NAME, AsyncGRPORun
 
 
 @dataclass(frozen=True)
@@ -89,9 +86,10 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
         errors.append(FieldError(path, message))
 
     name = run.metadata.name
-    if len(name) > MAX_RUN_NAME or not re.match(DNS_LABEL, name):
-        err("metadata.name", f"must be a DNS label of at most {MAX_RUN_NAME} characters "
-            f"(children append suffixes), got {name!r}")
+    if len(name) > MAX_RUN_NAME or not re.match(RUN_NAME, name):
+        err("metadata.name", f"must be at most {MAX_RUN_NAME} lower-case letters, digits "
+            "and '-', starting with a letter (children's Service names are DNS-1035 labels, "
+            f"and their longest label value is the name + 19 characters), got {name!r}")
 
     world = run.world_size
     fsdp = t.fsdp_size or world

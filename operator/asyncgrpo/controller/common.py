@@ -118,6 +118,7 @@ def bucket_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
         {"name": "ASYNCGRPO_ADAPTER_BUCKET", "value": store.bucket},
         {"name": "ASYNCGRPO_ADAPTER_RUN", "value": run.metadata.name},
         {"name": "ASYNCGRPO_ADAPTER_PREFIX", "value": store.prefix},
+        {"name": "ASYNCGRPO_ADAPTER_NAMESPACE", "value": run.metadata.namespace or "default"},
         {"name": "ASYNCGRPO_ADAPTER_REGION", "value": store.region},
         {"name": "AWS_DEFAULT_REGION", "value": store.region},
     ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import wait
 from typing import Any
 
 import kopf
@@ -184,21 +185,76 @@ def on_change(**kwargs: Any) -> None:
     _reconcile(**kwargs)
 
 
+#: Annotation a user sets on a run whose bucket cleanup cannot finish (an endpoint that is
+#: gone): the deletion completes at once, the objects stay, a Warning event says so.
+SKIP_CLEANUP = f"{API_GROUP}/skip-bucket-cleanup"
+
+
+def _deleting_for(body: kopf.Body) -> float:
+    from datetime import UTC, datetime
+
+    ts = body.metadata.get("deletionTimestamp")
+    try:
+        since = datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except (TypeError, ValueError):
+        return 0.0
+    return (datetime.now(UTC) - since).total_seconds()
+
+
 def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Apply deletionPolicy Delete to the run's own folder, without blocking a worker.
+
+    The cleanup runs on a bucket worker; this handler waits for it a moment and otherwise
+    asks kopf to call again (TemporaryError), so the finalizer stays until it finished, the
+    user set SKIP_CLEANUP, or `cleanup_timeout_seconds` passed. Every outcome is an event.
+    """
     rt = runtime(memo)
     key = (body.metadata.namespace, body.metadata.name)
     run, _errors = reconcile.validate_run(reconcile.run_document(dict(body)))
-    try:
-        if run is not None and run.spec.adapter_store.deletion_policy == "Delete":
+    if run is None or run.spec.adapter_store.deletion_policy != "Delete":
+        rt.forget(key)
+        return
+
+    def done(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message)
+        rt.forget(key)
+
+    if str(body.metadata.annotations.get(SKIP_CLEANUP, "")).lower() == "true":
+        return done("Warning", "CleanupSkipped", f"bucket objects kept: {SKIP_CLEANUP} is set")
+    if run.spec.adapter_store.credentials_secret is None:
+        return done("Warning", "CleanupSkipped", "bucket objects kept: without "
+                    "credentialsSecret the operator has no identity of the run to delete with")
+    state = rt.run(key)
+    if state.cleanup_job is None:
+        uid = str(body.metadata.get("uid") or "")
+
+        def task() -> int:
             creds = reconcile.read_credentials(rt, run)
-            n = bucket.delete_run_objects(run.spec.adapter_store, creds, run.metadata.name)
-            logger.info("deleted %d objects of %s from the bucket", n, run.metadata.name)
+            assert creds is not None
+            bucket.check_endpoint(run.spec.adapter_store, rt.settings.allowed_endpoints)
+            return bucket.cleanup_run_folder(run.spec.adapter_store, creds,
+                                             reconcile.owner_of(run, uid))
+
+        state.cleanup_job = rt.bucket_pool.submit(task)
+    job = state.cleanup_job
+    wait([job], timeout=rt.settings.bucket_wait_seconds)
+    waited = _deleting_for(body)
+    if not job.done():
+        if waited >= rt.settings.cleanup_timeout_seconds:
+            return done("Warning", "CleanupAbandoned", "bucket objects kept: the cleanup did "
+                        f"not finish in {rt.settings.cleanup_timeout_seconds:.0f} s")
+        raise kopf.TemporaryError("waiting for the bucket cleanup", delay=2)
+    state.cleanup_job = None
+    try:
+        n = job.result()
     except bucket.BucketError as e:
-        if e.reason == "EndpointUnreachable":
-            raise kopf.TemporaryError(e.message, delay=15) from None
-        kopf.event(body, type="Warning", reason=e.reason,
-                   message=f"bucket objects kept: {e.message}")
-    rt.forget(key)
+        if e.reason == "EndpointUnreachable" and waited < rt.settings.cleanup_timeout_seconds:
+            raise kopf.TemporaryError(e.message, delay=10) from None
+        return done("Warning", e.reason, f"bucket objects kept: {e.message}")
+    except Exception as e:  # noqa: BLE001 - never a handler that raises forever
+        return done("Warning", "CleanupFailed", f"bucket objects kept: {type(e).__name__}")
+    logger.info("deleted %d objects of %s/%s from the bucket", n, *key)
+    done("Normal", "BucketCleaned", f"deleted {n} objects of the run's folder")
 
 
 def validate(body: kopf.Body, **_: Any) -> None:

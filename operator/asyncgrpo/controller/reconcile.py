@@ -15,6 +15,7 @@ import logging
 import socket
 import time
 import urllib.request
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -97,7 +98,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     terminal = old.get("phase") in TERMINAL
     stopped = run.spec.suspend or terminal
 
-    _check_bucket(rt, state, run, obs)
+    _check_bucket(rt, state, run, obs, str(meta.get("uid") or ""))
     trainer_up = (w := _workload(children, "trainer")) is not None and w.replicas > 0
     deps_ready = _ready(children, "vllm") and (
         run.spec.sandboxes is None or _ready(children, "gateway"))
@@ -168,6 +169,8 @@ def _ttl_expired(run: AsyncGRPORun, status: dict[str, Any]) -> bool:
 
 
 def read_credentials(rt: Runtime, run: AsyncGRPORun) -> bucket.Credentials | None:
+    """The run's own S3 credentials from its Secret; None without credentialsSecret (then the
+    operator does not touch the bucket: it never lends its own identity to a run)."""
     store = run.spec.adapter_store
     if store.credentials_secret is None:
         return None
@@ -175,27 +178,74 @@ def read_credentials(rt: Runtime, run: AsyncGRPORun) -> bucket.Credentials | Non
     return bucket.credentials_from_secret(found, store)
 
 
-def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation) -> None:
-    """Verified once per adapterStore spec; while it fails, retried with a growing backoff
-    (1 s doubling to BUCKET_RETRY_MAX_SECONDS), at once when the adapterStore spec changes."""
-    key = run.spec.adapter_store.model_dump_json()
+def owner_of(run: AsyncGRPORun, uid: str) -> bucket.Owner:
+    return bucket.Owner(run.metadata.namespace or "default", run.metadata.name, uid)
+
+
+def _bucket_task(rt: Runtime, run: AsyncGRPORun, uid: str, full: bool):
+    """The S3 part of a check, run on a bucket worker: the endpoint policy, then the folder
+    setup (first check of a spec) or a light re-check (bucket head and marker)."""
+    store = run.spec.adapter_store
+    creds = read_credentials(rt, run)   # BucketError (SecretNotFound...) on a bad Secret
+    assert creds is not None
+    bucket.check_endpoint(store, rt.settings.allowed_endpoints)
+    if full:
+        return bucket.setup_run_folder(store, creds, owner_of(run, uid))
+    return bucket.verify_run_folder(store, creds, owner_of(run, uid))
+
+
+def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation,
+                  uid: str) -> None:
+    """Set up the run folder once per adapterStore spec, re-check it every
+    `bucket_recheck_seconds`; while it fails, retry with a growing backoff (1 s doubling to
+    BUCKET_RETRY_MAX_SECONDS), at once when the adapterStore spec changes.
+
+    The S3 calls run on the runtime's bucket workers: this waits at most
+    `bucket_wait_seconds` and otherwise reports what the last finished check found, so a
+    silent endpoint never holds a handler thread.
+    """
+    if run.spec.adapter_store.credentials_secret is None:
+        obs.bucket_checked, obs.bucket_error = True, None
+        obs.bucket_note = ("PodIdentity", ("no credentialsSecret: the run's pods use their "
+                           "ServiceAccount's identity; the operator does not check the bucket "
+                           "with its own"))
+        return
+    key = run.spec.adapter_store.model_dump_json() + uid
     now = time.monotonic()
-    if state.bucket_ok_for != key and (state.bucket_failed_for != key
-                                       or now >= state.bucket_retry_at):
-        try:
-            created = bucket.ensure_bucket(run.spec.adapter_store, read_credentials(rt, run))
-            state.bucket_ok_for, state.bucket_error, state.bucket_failures = key, None, 0
-            if created:
-                log.info("created bucket %s for %s", run.spec.adapter_store.bucket,
-                         run.metadata.name)
-        except bucket.BucketError as e:
-            state.bucket_failures = state.bucket_failures + 1 \
-                if state.bucket_failed_for == key else 1
-            state.bucket_ok_for, state.bucket_error, state.bucket_failed_for = None, e, key
-            state.bucket_retry_at = now + min(2.0 ** (state.bucket_failures - 1),
-                                              BUCKET_RETRY_MAX_SECONDS)
-    obs.bucket_checked = True
-    obs.bucket_error = state.bucket_error
+    if state.bucket_job is None:
+        due = (state.bucket_ok_for != key and state.bucket_failed_for != key) or (
+            state.bucket_failed_for == key and now >= state.bucket_retry_at) or (
+            state.bucket_ok_for == key
+            and now - state.bucket_checked_at >= rt.settings.bucket_recheck_seconds)
+        if due:
+            full = state.bucket_ok_for != key
+            state.bucket_job = (key, rt.bucket_pool.submit(_bucket_task, rt, run, uid, full))
+    if state.bucket_job is not None:
+        job_key, job = state.bucket_job
+        wait([job], timeout=rt.settings.bucket_wait_seconds)
+        if job.done():
+            state.bucket_job = None
+            try:
+                created = job.result()
+                state.bucket_ok_for, state.bucket_failures = job_key, 0
+                state.bucket_error, state.bucket_failed_for = None, None
+                state.bucket_checked_at = time.monotonic()
+                if created is True:
+                    log.info("created bucket %s for %s", run.spec.adapter_store.bucket,
+                             run.metadata.name)
+            except Exception as e:  # noqa: BLE001 - every failure is reported, none escapes
+                if not isinstance(e, bucket.BucketError):
+                    log.warning("bucket check of %s failed: %r", run.metadata.name, e)
+                    e = bucket.BucketError("BucketError", f"checking the bucket failed "
+                                           f"({type(e).__name__})")
+                state.bucket_failures = state.bucket_failures + 1 \
+                    if state.bucket_failed_for == job_key else 1
+                state.bucket_ok_for, state.bucket_error = None, e
+                state.bucket_failed_for = job_key
+                state.bucket_retry_at = time.monotonic() + min(
+                    2.0 ** (state.bucket_failures - 1), BUCKET_RETRY_MAX_SECONDS)
+    obs.bucket_checked = key in (state.bucket_ok_for, state.bucket_failed_for)
+    obs.bucket_error = state.bucket_error if state.bucket_failed_for == key else None
 
 
 def _ensure_secret(rt: Runtime, state: RunState, run: AsyncGRPORun,

@@ -7,6 +7,7 @@ handler runs.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,19 @@ class Settings:
     kubeconfig: str | None = None
     #: Test hook: delay every pod event this long before the operator sees it.
     pod_watch_delay_seconds: float = 0.0
+    #: S3 endpoints (URLs or host names) runs may use; empty: any host except link-local and
+    #: metadata addresses (Helm value adapterStore.allowedEndpoints).
+    allowed_endpoints: list[str] = field(default_factory=list)
+    #: Threads for bucket setup and cleanup, off the handler path: a silent endpoint holds
+    #: one of these for a few seconds, never a kopf worker.
+    bucket_workers: int = 8
+    #: Most a handler waits for a bucket call before leaving it to the next tick.
+    bucket_wait_seconds: float = 0.5
+    #: Seconds between re-checks of a bucket that was fine (a deleted Secret, a revoked key).
+    bucket_recheck_seconds: float = 60.0
+    #: A deleted run's bucket cleanup gives up after this long (Warning event CleanupAbandoned);
+    #: the annotation asyncgrpo.dev/skip-bucket-cleanup: "true" gives up at once.
+    cleanup_timeout_seconds: float = 600.0
 
 
 @dataclass
@@ -69,6 +83,9 @@ class RunState:
     bucket_failed_for: str | None = None   # adapterStore spec of the last failed check
     bucket_failures: int = 0
     bucket_retry_at: float = 0.0
+    bucket_checked_at: float = 0.0         # when the last check succeeded (monotonic)
+    bucket_job: tuple[str, Future] | None = None   # (key, check in flight)
+    cleanup_job: Future | None = None
     secret_ready: bool = False
     gateway_token: str | None = None
     excess_since: float | None = None
@@ -90,6 +107,15 @@ class Runtime:
     expectations: Expectations = field(default_factory=Expectations)
     runs: dict[tuple[str, str], RunState] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _bucket_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def bucket_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._bucket_pool is None:
+                self._bucket_pool = ThreadPoolExecutor(self.settings.bucket_workers,
+                                                       thread_name_prefix="asyncgrpo-bucket")
+            return self._bucket_pool
 
     def run(self, key: tuple[str, str]) -> RunState:
         with self._lock:

@@ -35,6 +35,8 @@ class Observation:
     spec_errors: list[FieldError] = field(default_factory=list)
     bucket_error: BucketError | None = None
     bucket_checked: bool = False
+    #: (reason, message) when the bucket is deliberately not checked (BucketReady Unknown)
+    bucket_note: tuple[str, str] | None = None
     children: list[Child] = field(default_factory=list)
     sandboxes: dict[str, int] = field(default_factory=dict)
     progress: Progress | None = None
@@ -118,6 +120,8 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
 
         if not obs.bucket_checked:
             conds.append(_cond("BucketReady", None, "Checking", "bucket not checked yet"))
+        elif obs.bucket_note is not None:
+            conds.append(_cond("BucketReady", None, *obs.bucket_note))
         elif obs.bucket_error is not None:
             conds.append(_cond("BucketReady", False, obs.bucket_error.reason,
                                obs.bucket_error.message))

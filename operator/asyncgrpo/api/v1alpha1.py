@@ -460,6 +460,11 @@ class AsyncGRPORunStatus(Model):
     throughput: ThroughputStatus = Field(default_factory=ThroughputStatus,
                                          description="Throughput.")
     sandboxes: SandboxStatus = Field(default_factory=SandboxStatus, description="Sandbox counts.")
+    checkpoint_identity: str | None = Field(
+        default=None, max_length=4096,
+        description="What the run's checkpoints depend on (model name, finetuning, LoRA rank "
+        "and targets), as JSON, fixed at the first reconcile: a spec that changes it is "
+        "refused by the webhook and not rolled out by the operator.")
     start_time: datetime | None = Field(default=None, description="When training started.")
     completion_time: datetime | None = Field(default=None, description="When the run finished.")
 

@@ -10,6 +10,7 @@ and later layers report the same message.
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from asyncgrpo import API_GROUP, KIND
-from asyncgrpo.api.v1alpha1 import MAX_RUN_NAME, RUN_NAME, AsyncGRPORun
+from asyncgrpo.api.v1alpha1 import MAX_RUN_NAME, RUN_NAME, AsyncGRPORun, AsyncGRPORunSpec
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,36 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
             except ValueError:
                 err(f"spec.sandboxes.network.allowedEgressCidrs[{i}]", f"not a CIDR: {cidr!r}")
     return errors
+
+
+def checkpoint_identity(spec: AsyncGRPORunSpec) -> str:
+    """The fields a run's checkpoints depend on, as JSON keyed by field path.
+
+    Resuming from a checkpoint written for another model, fine-tuning mode or adapter shape
+    would load the wrong tensors (or fail late), so these fields are immutable once a run
+    started: the webhook refuses a change, the operator reports it and rolls nothing out.
+    The tokenizer comes from spec.model.name, so it is covered by that field.
+    """
+    m = spec.model
+    ident: dict[str, Any] = {"spec.model.name": m.name, "spec.model.finetuning": m.finetuning}
+    if m.finetuning == "lora":
+        ident["spec.model.lora.rank"] = m.lora.rank
+        ident["spec.model.lora.targetModules"] = sorted(m.lora.target_modules)
+    return json.dumps(ident, sort_keys=True, separators=(",", ":"))
+
+
+def immutable_errors(fixed: str, spec: AsyncGRPORunSpec) -> list[FieldError]:
+    """One error per checkpoint-identity field that differs from `fixed` (a previous
+    `checkpoint_identity`)."""
+    try:
+        before = json.loads(fixed)
+    except ValueError:
+        return []
+    now = json.loads(checkpoint_identity(spec))
+    return [FieldError(path, f"is immutable once the run started (its checkpoints depend on "
+                       f"it): was {before.get(path)!r}, now {now.get(path)!r}; create a new "
+                       "run instead")
+            for path in sorted(set(before) | set(now)) if before.get(path) != now.get(path)]
 
 
 def validate_run(doc: dict[str, Any]) -> tuple[AsyncGRPORun | None, list[FieldError]]:

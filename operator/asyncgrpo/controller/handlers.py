@@ -16,6 +16,8 @@ operator's settings instead of import-time globals.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -56,13 +58,28 @@ def runtime(memo: Any) -> Runtime:
     return memo.runtime
 
 
+class DigestDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's last-handled state as digests of the spec and metadata, not a copy of them.
+
+    kopf's default keeps the whole spec in an annotation: a run over 256 kB then gets a 422
+    on kopf's own patch and can never be deleted. The handlers only need to know *that* the
+    spec changed (they read the body itself), so a digest per stanza is enough; kopf's diff of
+    two digests names the stanza ("spec"), which is what `on.update(field="spec")` filters on.
+    """
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        essence = super().build(body=body, extra_fields=extra_fields)
+        return {k: {"sha256": hashlib.sha256(json.dumps(v, sort_keys=True).encode())
+                    .hexdigest()} for k, v in essence.items()}
+
+
 def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     """kopf's settings for one operator, fixed before it starts (peering reads them early)."""
     ks = kopf.OperatorSettings()
     # progress and the last-handled spec live in annotations of our group; status stays ours
     ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    ks.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=API_GROUP, key="last-handled-configuration")
+    ks.persistence.diffbase_storage = DigestDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-digest")
     ks.posting.level = logging.WARNING       # no event per routine timer tick
     ks.posting.reporting_component = MANAGED_BY
     ks.execution.max_workers = 16
@@ -257,9 +274,17 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
     done("Normal", "BucketCleaned", f"deleted {n} objects of the run's folder")
 
 
-def validate(body: kopf.Body, **_: Any) -> None:
-    """Admission: refuse a run `asyncgrpo validate` would refuse, with every field path."""
-    _run, errors = reconcile.validate_run(reconcile.run_document(dict(body)))
+def validate(body: kopf.Body, memo: kopf.Memo, old: kopf.Body | None = None,
+             **_: Any) -> None:
+    """Admission: refuse a run `asyncgrpo validate` would refuse, one over the operator's
+    caps, and an update of a field its checkpoints depend on; with every field path."""
+    fixed = None
+    if old is not None and old.get("spec"):
+        prev, prev_errors = reconcile.validate_run(reconcile.run_document(dict(old)))
+        fixed = (old.get("status") or {}).get("checkpointIdentity") or (
+            reconcile.checkpoint_identity(prev.spec) if prev is not None and not prev_errors
+            else None)
+    _run, errors, _reason = reconcile.check_run(runtime(memo), dict(body), fixed)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors[:20]), code=422)
 

@@ -24,8 +24,14 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.api.validation import validate_run
+from asyncgrpo.api.validation import (
+    FieldError,
+    checkpoint_identity,
+    immutable_errors,
+    validate_run,
+)
 from asyncgrpo.controller import bucket, pool, progress, sandboxes, secret
+from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION
 from asyncgrpo.controller.observe import Child
@@ -87,9 +93,9 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     if state.finished is not None and old.get("phase") not in TERMINAL:
         # the body predates our own patch that finished the run: never un-finish it
         old.update(state.finished)
-    run, errors = validate_run(run_document(body))
+    run, errors, reason = check_run(rt, body, old.get("checkpointIdentity"))
     obs = Observation(generation=int(meta.get("generation") or 0), spec_errors=errors,
-                      children=children)
+                      spec_error_reason=reason, children=children)
     if run is None or errors:
         status, events = compute(None, obs, old, now_iso())
         state.last_status = (rv, {**old, **status})
@@ -139,11 +145,26 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     obs.progress = state.progress
 
     status, events = compute(run.spec, obs, old, now_iso())
+    status["checkpointIdentity"] = old.get("checkpointIdentity") or checkpoint_identity(run.spec)
     merged = {**old, **status}
     state.last_status = (rv, merged)
     if merged.get("phase") in TERMINAL:
         state.finished = {"phase": merged["phase"], "completionTime": merged["completionTime"]}
     return Outcome(status, events, delete_run=_ttl_expired(run, merged))
+
+
+def check_run(rt: Runtime, body: dict[str, Any], fixed_identity: str | None = None
+              ) -> tuple[AsyncGRPORun | None, list[FieldError], str]:
+    """The run and why it cannot be applied: the model's rules (`asyncgrpo validate`), the
+    operator's caps, and the immutable checkpoint identity; with the condition reason."""
+    run, errors = validate_run(run_document(body))
+    if run is None or errors:
+        return run, errors, "InvalidSpec"
+    if fixed_identity and (errors := immutable_errors(fixed_identity, run.spec)):
+        return run, errors, "ImmutableFieldChanged"
+    if errors := cap_errors(run, rt.settings.caps):
+        return run, errors, "OverCap"
+    return run, [], ""
 
 
 def _merge_progress(old: progress.Progress | None,

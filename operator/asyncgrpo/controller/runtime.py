@@ -32,6 +32,20 @@ class WebhookSettings:
 
 
 @dataclass
+class Caps:
+    """Operator-wide limits on what one run (or one namespace) may ask for."""
+
+    #: Most sandbox pods of one run (spec.sandboxes.hardCap may not exceed it).
+    sandboxes_per_run: int = 256
+    #: Most sandbox pods of all runs of one namespace together.
+    sandboxes_per_namespace: int = 512
+    #: Most vLLM replicas of one run.
+    vllm_replicas: int = 64
+    #: Most trainer replicas (nodes) of one run.
+    trainer_replicas: int = 64
+
+
+@dataclass
 class Settings:
     """Operator settings (`asyncgrpo operator --help`)."""
 
@@ -73,6 +87,9 @@ class Settings:
     #: A deleted run's bucket cleanup gives up after this long (Warning event CleanupAbandoned);
     #: the annotation asyncgrpo.dev/skip-bucket-cleanup: "true" gives up at once.
     cleanup_timeout_seconds: float = 600.0
+    #: Operator-wide limits a run may not exceed (Helm values caps.*): checked by validation
+    #: (webhook and reconcile, reported as InvalidSpec), and the pool never creates past them.
+    caps: Caps = field(default_factory=Caps)
 
 
 @dataclass

@@ -33,6 +33,8 @@ CONDITION_TYPES = ("BucketReady", "RolloutReady", "SandboxesReady", "TrainerRead
 class Observation:
     generation: int
     spec_errors: list[FieldError] = field(default_factory=list)
+    #: InvalidSpec, ImmutableFieldChanged or OverCap: why the spec is not applied
+    spec_error_reason: str = "InvalidSpec"
     bucket_error: BucketError | None = None
     bucket_checked: bool = False
     #: (reason, message) when the bucket is deliberately not checked (BucketReady Unknown)
@@ -106,11 +108,18 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
     degraded: tuple[str, str] | None = None
     status: dict[str, Any] = {"observedGeneration": obs.generation}
 
+    kept: list[dict[str, Any]] = []
     if obs.spec_errors or spec is None:
         msg = "; ".join(str(e) for e in obs.spec_errors[:10])
-        conds.append(_cond("Progressing", False, "InvalidSpec", msg))
-        conds.append(_cond("Degraded", True, "InvalidSpec", msg))
+        reason = obs.spec_error_reason
+        conds.append(_cond("Progressing", False, reason, f"{msg}; the workloads keep the "
+                           "last spec the operator applied"))
+        conds.append(_cond("Degraded", True, reason, msg))
         phase = old_phase
+        # the workloads still run the last valid spec: what was observed of them stays true
+        # (with the generation it was observed for)
+        kept = [c for c in old.get("conditions") or []
+                if c.get("type") not in ("Progressing", "Degraded")]
     else:
         outcome = None if old_phase in TERMINAL else _trainer_outcome(
             obs.children, obs.progress, spec)
@@ -173,8 +182,8 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
                      else _cond("Degraded", False, "AsExpected", "no problem found"))
 
     status["phase"] = phase
-    status["conditions"] = _merge_conditions(old.get("conditions") or [], conds,
-                                             obs.generation, now)
+    status["conditions"] = kept + _merge_conditions(old.get("conditions") or [], conds,
+                                                    obs.generation, now)
     p = obs.progress
     if p is not None:
         if p.step is not None:

@@ -369,6 +369,15 @@ def _drain(rt: Runtime, state: RunState, ns: str, name: str, pod: str) -> bool:
         return False
 
 
+def _namespace_room(rt: Runtime, ns: str, name: str, live: int) -> int:
+    """Sandbox pods this run may still add under the per-namespace cap (other runs' counts
+    are what their last reconcile saw)."""
+    with rt._lock:
+        others = sum(st.sandbox_pods for (n, r), st in rt.runs.items()
+                     if n == ns and r != name)
+    return rt.settings.caps.sandboxes_per_namespace - others - live
+
+
 def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun,
                 children: list[Child], stopped: bool
                 ) -> tuple[dict[str, int], int, tuple[str, str] | None]:
@@ -402,6 +411,14 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         # a refused creation (missing RuntimeClass, quota): retry later, not every tick
         error, plan = state.pool_error[1], pool.Plan(0, plan.delete, plan.replace, plan.live,
                                                      plan.target)
+    live = sum(1 for p in pods if not p.deleting) + len(adds)
+    state.sandbox_pods = live
+    room = _namespace_room(rt, ns, name, live)
+    if plan.create > room:
+        caps = rt.settings.caps
+        error = ("NamespaceSandboxCap", f"the namespace holds the operator's cap of "
+                 f"{caps.sandboxes_per_namespace} sandbox pods (all runs together)")
+        plan = pool.Plan(max(room, 0), plan.delete, plan.replace, plan.live, plan.target)
     for _ in range(plan.create):
         body = sandboxes.build_pod(run, sandboxes.random_suffix())
         kopf.adopt(body, owner=owner)
@@ -417,7 +434,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
             error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
             state.pool_error = (time.monotonic() + POOL_RETRY_SECONDS, error, current)
             break
-    if created:
+    if created and error is None:
         state.pool_error = None
     # unhealthy (or suspended) pods go now; idle ones only once the gateway drained them
     deleted = list(plan.replace) + [p for p in plan.delete if _drain(rt, state, ns, name, p)]

@@ -211,6 +211,8 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
         return _cond("SandboxesReady", False, stopped, f"sandbox pool emptied ({stopped.lower()})")
     counts = obs.sandboxes
     if obs.pool_error is not None:
+        if obs.pool_error[0] == "NamespaceSandboxCap":
+            return _cond("SandboxesReady", False, *obs.pool_error)
         return _cond("SandboxesReady", False, "SandboxCreateFailed",
                      f"cannot create sandbox pods: {obs.pool_error[1]}")
     unschedulable = [c for c in obs.children if c.kind == "Pod" and c.component == "sandbox"

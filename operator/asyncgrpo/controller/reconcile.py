@@ -416,8 +416,8 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     room = _namespace_room(rt, ns, name, live)
     if plan.create > room:
         caps = rt.settings.caps
-        error = ("NamespaceSandboxCap", f"the namespace holds the operator's cap of "
-                 f"{caps.sandboxes_per_namespace} sandbox pods (all runs together)")
+        error = ("NamespaceSandboxCap", (f"the namespace holds the operator's cap of "
+                 f"{caps.sandboxes_per_namespace} sandbox pods (all runs together)"))
         plan = pool.Plan(max(room, 0), plan.delete, plan.replace, plan.live, plan.target)
     for _ in range(plan.create):
         body = sandboxes.build_pod(run, sandboxes.random_suffix())

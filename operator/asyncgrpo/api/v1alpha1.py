@@ -32,6 +32,8 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+#: torchrun's rendezvous port in every trainer pod: no other port of the pod may use it.
+TRAINER_RENDEZVOUS_PORT = 29500
 BUCKET_NAME = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 #: An S3 endpoint: scheme, a host (name, IPv4 or [IPv6]), an optional port and path; no user
 #: info, query or fragment.
@@ -50,12 +52,22 @@ MAX_RUN_NAME = 63 - len("-trainer-") - 10
 class Model(BaseModel):
     """Base of every API object: camelCase on the wire, unknown fields refused."""
 
+    # strict: "8" is not 8, "true" is not true. The API server refuses those through the
+    # CRD schema, so `asyncgrpo validate` and the local backend refuse them too.
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
         validate_default=True,
+        strict=True,
     )
+
+
+class StatusModel(Model):
+    """Base of the status objects: written by the operator as JSON (timestamps as strings),
+    so parsed leniently."""
+
+    model_config = ConfigDict(strict=False)
 
 
 # ---------------------------------------------------------------- shared small types
@@ -404,7 +416,7 @@ class AsyncGRPORunSpec(Model):
     )
 
 
-class Condition(Model):
+class Condition(StatusModel):
     """A Kubernetes-style condition (metav1.Condition)."""
 
     type: str = Field(description="Condition type, e.g. TrainerReady.")
@@ -417,14 +429,14 @@ class Condition(Model):
                                             description="Generation the condition was set for.")
 
 
-class AdapterVersionsLoaded(Model):
+class AdapterVersionsLoaded(StatusModel):
     """Policy versions one vLLM replica currently serves."""
 
     replica: str = Field(description="vLLM pod name.")
     versions: list[int] = Field(default_factory=list, description="Loaded policy versions.")
 
 
-class ThroughputStatus(Model):
+class ThroughputStatus(StatusModel):
     """Training throughput, mirrored from the trainer's metrics."""
 
     raw_tokens_per_second: float = Field(default=0.0, description="Rollout tokens trained per s.")
@@ -433,7 +445,7 @@ class ThroughputStatus(Model):
     tree_compression_ratio: float = Field(default=1.0, description="Raw / forwarded tokens.")
 
 
-class SandboxStatus(Model):
+class SandboxStatus(StatusModel):
     """Sandbox pool counts."""
 
     warm: int = Field(default=0, description="Ready and idle.")
@@ -443,7 +455,7 @@ class SandboxStatus(Model):
     spawned_total: int = Field(default=0, description="Sandbox pods created over the run.")
 
 
-class AsyncGRPORunStatus(Model):
+class AsyncGRPORunStatus(StatusModel):
     """Observed state of the run, written by the operator."""
 
     phase: Literal["Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed"] = Field(
@@ -472,7 +484,8 @@ class AsyncGRPORunStatus(Model):
 class ObjectMeta(Model):
     """The part of metadata the model reads; the rest is kept as given."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow",
+                              strict=True)
 
     # Checked in asyncgrpo.api.validation: the CRD schema cannot constrain metadata.name.
     name: str = Field(default="run", description="Run name; children are named after it.")

@@ -21,7 +21,13 @@ import yaml
 from pydantic import ValidationError
 
 from asyncgrpo import API_GROUP, KIND
-from asyncgrpo.api.v1alpha1 import MAX_RUN_NAME, RUN_NAME, AsyncGRPORun, AsyncGRPORunSpec
+from asyncgrpo.api.v1alpha1 import (
+    MAX_RUN_NAME,
+    RUN_NAME,
+    TRAINER_RENDEZVOUS_PORT,
+    AsyncGRPORun,
+    AsyncGRPORunSpec,
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,10 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
         err("metadata.name", f"must be at most {MAX_RUN_NAME} lower-case letters, digits "
             "and '-', starting with a letter (children's Service names are DNS-1035 labels, "
             f"and their longest label value is the name + 19 characters), got {name!r}")
+
+    if run.spec.trainer.metrics_port == TRAINER_RENDEZVOUS_PORT:
+        err("spec.trainer.metricsPort", f"{TRAINER_RENDEZVOUS_PORT} is the trainer's "
+            "rendezvous port (torchrun): choose another")
 
     world = run.world_size
     fsdp = t.fsdp_size or world

@@ -14,7 +14,12 @@ import json
 from typing import Any
 
 from asyncgrpo import API_GROUP, __version__
-from asyncgrpo.api.v1alpha1 import AsyncGRPORun, EnvVar, ResourceRequirements
+from asyncgrpo.api.v1alpha1 import (
+    TRAINER_RENDEZVOUS_PORT,
+    AsyncGRPORun,
+    EnvVar,
+    ResourceRequirements,
+)
 
 MANAGED_BY = "asyncgrpo-operator"
 RUN_LABEL = f"{API_GROUP}/run"
@@ -25,7 +30,7 @@ HASH_ANNOTATION = f"{API_GROUP}/spec-hash"
 VLLM_PORT = 8000
 GATEWAY_PORT = 8080
 SANDBOX_PORT = 8000
-RENDEZVOUS_PORT = 29500
+RENDEZVOUS_PORT = TRAINER_RENDEZVOUS_PORT
 
 CONFIG_MOUNT = "/etc/asyncgrpo"
 CONFIG_KEY = "run.yaml"

@@ -77,9 +77,11 @@ class ResourceRequirements(Model):
     """Compute resources of one container, as in a Pod spec."""
 
     requests: dict[str, Quantity] = Field(
+        max_length=32,
         default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}."
     )
     limits: dict[str, Quantity] = Field(
+        max_length=32,
         default_factory=dict,
         description="Maximum resources. GPUs go here too (nvidia.com/gpu), set by the operator "
         "from gpusPerReplica unless given.",
@@ -92,6 +94,7 @@ class EnvVar(Model):
     name: str = Field(min_length=1, description="Variable name.")
     value: str | None = Field(default=None, description="Literal value.")
     value_from: dict[str, Any] | None = Field(
+        max_length=4,
         default=None,
         description="Source of the value (secretKeyRef, configMapKeyRef, fieldRef), as in a Pod.",
     )
@@ -119,6 +122,7 @@ class LoraSpec(Model):
     alpha: int = Field(default=32, ge=1, description="Scaling alpha (scale = alpha / rank).")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
+        max_length=64,
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
         description="Module names to adapt, or ['all-linear'].",
@@ -208,7 +212,8 @@ class TrainerSpec(Model):
     seed: int = Field(default=0, ge=0, description="Seed for data order and initialization.")
     metrics_port: int = Field(default=9400, ge=1024, le=65535,
                               description="Port of the trainer's Prometheus endpoint.")
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=128,
+                              description="Extra environment variables.")
 
 
 # ---------------------------------------------------------------- rollout (vLLM)
@@ -249,9 +254,10 @@ class RolloutSpec(Model):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of each vLLM pod.")
-    extra_args: list[str] = Field(default_factory=list,
+    extra_args: list[str] = Field(default_factory=list, max_length=128,
                                   description="Extra vLLM server arguments, appended as given.")
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=128,
+                              description="Extra environment variables.")
 
 
 # ---------------------------------------------------------------- sandboxes
@@ -261,9 +267,11 @@ class SandboxNetworkSpec(Model):
     """Egress of sandbox pods. Everything not listed is denied; ingress only from the gateway."""
 
     allowed_egress_cidrs: list[str] = Field(
+        max_length=256,
         default_factory=list, description="CIDRs sandboxes may reach, e.g. a package mirror."
     )
     allowed_egress_hosts: list[str] = Field(
+        max_length=256,
         default_factory=list,
         description="Host names sandboxes may reach; resolved by the operator to /32 (or /128) "
         "blocks at each reconcile, and DNS egress to kube-dns is opened for them.",
@@ -368,6 +376,7 @@ class RewardFunction(Model):
         description="For name=python: 'package.module:function' importable in the trainer image.",
     )
     args: dict[str, Any] = Field(
+        max_length=32,
         default_factory=dict, description="Keyword arguments of the function (free-form)."
     )
 
@@ -375,7 +384,8 @@ class RewardFunction(Model):
 class RewardSpec(Model):
     """How rollouts are scored."""
 
-    functions: list[RewardFunction] = Field(min_length=1, description="Reward terms.")
+    functions: list[RewardFunction] = Field(min_length=1, max_length=32,
+                                            description="Reward terms.")
 
 
 class HarnessSpec(Model):

@@ -265,8 +265,12 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
     try:
         n = job.result()
     except bucket.BucketError as e:
-        if e.reason == "EndpointUnreachable" and waited < rt.settings.cleanup_timeout_seconds:
-            raise kopf.TemporaryError(e.message, delay=10) from None
+        if e.reason == "EndpointUnreachable":
+            if waited < rt.settings.cleanup_timeout_seconds:
+                raise kopf.TemporaryError(e.message, delay=5) from None
+            return done("Warning", "CleanupAbandoned", "bucket objects kept: the cleanup did "
+                        f"not finish in {rt.settings.cleanup_timeout_seconds:.0f} s "
+                        f"({e.message})")
         return done("Warning", e.reason, f"bucket objects kept: {e.message}")
     except Exception as e:  # noqa: BLE001 - never a handler that raises forever
         return done("Warning", "CleanupFailed", f"bucket objects kept: {type(e).__name__}")

@@ -203,13 +203,21 @@ def owner_of(run: AsyncGRPORun, uid: str) -> bucket.Owner:
     return bucket.Owner(run.metadata.namespace or "default", run.metadata.name, uid)
 
 
-def _bucket_task(rt: Runtime, run: AsyncGRPORun, uid: str, full: bool):
+#: BucketReady=Unknown for a run without credentialsSecret: nothing to check with.
+POD_IDENTITY = ("PodIdentity", ("no credentialsSecret: the run's pods use their "
+                                "ServiceAccount's identity; the operator never checks a "
+                                "bucket with its own"))
+
+
+def _bucket_task(rt: Runtime, run: AsyncGRPORun, uid: str, full: bool) -> bool | None:
     """The S3 part of a check, run on a bucket worker: the endpoint policy, then the folder
-    setup (first check of a spec) or a light re-check (bucket head and marker)."""
+    setup (first check of a spec) or a light re-check (bucket head and marker). None: no
+    credentials, only the endpoint policy was checked."""
     store = run.spec.adapter_store
-    creds = read_credentials(rt, run)   # BucketError (SecretNotFound...) on a bad Secret
-    assert creds is not None
     bucket.check_endpoint(store, rt.settings.allowed_endpoints)
+    creds = read_credentials(rt, run)   # BucketError (SecretNotFound...) on a bad Secret
+    if creds is None:
+        return None
     if full:
         return bucket.setup_run_folder(store, creds, owner_of(run, uid))
     return bucket.verify_run_folder(store, creds, owner_of(run, uid))
@@ -225,12 +233,6 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
     `bucket_wait_seconds` and otherwise reports what the last finished check found, so a
     silent endpoint never holds a handler thread.
     """
-    if run.spec.adapter_store.credentials_secret is None:
-        obs.bucket_checked, obs.bucket_error = True, None
-        obs.bucket_note = ("PodIdentity", ("no credentialsSecret: the run's pods use their "
-                           "ServiceAccount's identity; the operator does not check the bucket "
-                           "with its own"))
-        return
     key = run.spec.adapter_store.model_dump_json() + uid
     now = time.monotonic()
     if state.bucket_job is None:
@@ -247,11 +249,12 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
         if job.done():
             state.bucket_job = None
             try:
-                created = job.result()
+                result = job.result()
                 state.bucket_ok_for, state.bucket_failures = job_key, 0
                 state.bucket_error, state.bucket_failed_for = None, None
                 state.bucket_checked_at = time.monotonic()
-                if created is True:
+                state.bucket_pod_identity = result is None
+                if result is True:
                     log.info("created bucket %s for %s", run.spec.adapter_store.bucket,
                              run.metadata.name)
             except Exception as e:  # noqa: BLE001 - every failure is reported, none escapes
@@ -267,6 +270,8 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
                     2.0 ** (state.bucket_failures - 1), BUCKET_RETRY_MAX_SECONDS)
     obs.bucket_checked = key in (state.bucket_ok_for, state.bucket_failed_for)
     obs.bucket_error = state.bucket_error if state.bucket_failed_for == key else None
+    if state.bucket_ok_for == key and state.bucket_pod_identity:
+        obs.bucket_note = POD_IDENTITY
 
 
 def _ensure_secret(rt: Runtime, state: RunState, run: AsyncGRPORun,

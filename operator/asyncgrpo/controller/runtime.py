@@ -101,6 +101,7 @@ class RunState:
     bucket_failures: int = 0
     bucket_retry_at: float = 0.0
     bucket_checked_at: float = 0.0         # when the last check succeeded (monotonic)
+    bucket_pod_identity: bool = False      # the last check had no credentials to use
     bucket_job: tuple[str, Future] | None = None   # (key, check in flight)
     cleanup_job: Future | None = None
     secret_ready: bool = False

@@ -228,7 +228,13 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
     rt = runtime(memo)
     key = (body.metadata.namespace, body.metadata.name)
     run, _errors = reconcile.validate_run(reconcile.run_document(dict(body)))
-    if run is None or run.spec.adapter_store.deletion_policy != "Delete":
+    if run is None:
+        if ((body.spec or {}).get("adapterStore") or {}).get("deletionPolicy") == "Delete":
+            kopf.event(body, type="Warning", reason="CleanupSkipped",
+                       message="bucket objects kept: the spec is not a valid run")
+        rt.forget(key)
+        return
+    if run.spec.adapter_store.deletion_policy != "Delete":
         rt.forget(key)
         return
 

@@ -170,3 +170,14 @@ def test_pod_identity_is_unknown_and_does_not_hold_the_run():
                         {}, "T1")
     assert conds(status)["BucketReady"]["status"] == "Unknown"
     assert status["phase"] == "Running"
+
+
+def test_a_restart_keeps_the_last_bucket_finding_while_the_check_runs():
+    """After an operator restart the first bucket check is in flight: the condition must not
+    flip to Checking (a spurious transition and event) nor hold a Running run in Pending."""
+    running, _ = compute(SPEC, running_obs(), {}, "T1")
+    restarted = Observation(generation=3, bucket_checked=False,
+                            children=running_obs().children)
+    status, events = compute(SPEC, restarted, running, "T2")
+    assert conds(status)["BucketReady"] == conds(running)["BucketReady"]
+    assert status["phase"] == "Running" and not events

@@ -127,7 +127,18 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
         stopped = ("Suspended" if spec.suspend and terminal is None else
                    ("Finished" if terminal else None))
 
-        if not obs.bucket_checked:
+        prev_bucket = next((c for c in old.get("conditions") or []
+                            if c.get("type") == "BucketReady"), None)
+        bucket_pending = not obs.bucket_checked
+        if not obs.bucket_checked and prev_bucket is not None \
+                and prev_bucket.get("observedGeneration") == obs.generation:
+            # a check is in flight (an operator restart): what the last one found still
+            # stands, so a restart neither flips the condition nor holds the run
+            ok = {"True": True, "False": False}.get(prev_bucket.get("status"))
+            conds.append(_cond("BucketReady", ok, prev_bucket.get("reason", ""),
+                               prev_bucket.get("message", "")))
+            bucket_pending = ok is not True
+        elif not obs.bucket_checked:
             conds.append(_cond("BucketReady", None, "Checking", "bucket not checked yet"))
         elif obs.bucket_note is not None:
             conds.append(_cond("BucketReady", None, *obs.bucket_note))
@@ -165,7 +176,7 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
             phase = terminal
         elif spec.suspend:
             phase = SUSPENDED
-        elif obs.bucket_error is not None or not obs.bucket_checked:
+        elif obs.bucket_error is not None or bucket_pending:
             phase = PENDING
         elif trainer["status"] == "True":
             phase = RUNNING

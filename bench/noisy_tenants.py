@@ -198,7 +198,8 @@ def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3_port: in
         namespace(noisy_ns)
         for i in range(SILENT):
             add_run(noisy_ns, f"silent-{i:02d}", silent.endpoint)
-        time.sleep(2 * args.resync)
+        # past the burst of creating their children: the steady state with noisy neighbours
+        time.sleep(max(30.0, 4 * args.resync))
         noisy = sample(api, trainers, healthy, op.pid, args.window)
         reasons = {(api.condition(noisy_ns, f"silent-{i:02d}", "BucketReady") or {})
                    .get("reason") or "none" for i in range(SILENT)}

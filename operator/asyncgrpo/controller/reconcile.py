@@ -230,8 +230,8 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
     BUCKET_RETRY_MAX_SECONDS), at once when the adapterStore spec changes.
 
     The S3 calls run on the runtime's bucket workers: this waits at most
-    `bucket_wait_seconds` and otherwise reports what the last finished check found, so a
-    silent endpoint never holds a handler thread.
+    `bucket_wait_seconds`, and only for the first check of a spec; otherwise it reports what
+    the last finished check found, so a silent endpoint never holds a handler thread.
     """
     key = run.spec.adapter_store.model_dump_json() + uid
     now = time.monotonic()
@@ -245,7 +245,10 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
             state.bucket_job = (key, rt.bucket_pool.submit(_bucket_task, rt, run, uid, full))
     if state.bucket_job is not None:
         job_key, job = state.bucket_job
-        wait([job], timeout=rt.settings.bucket_wait_seconds)
+        if job_key not in (state.bucket_ok_for, state.bucket_failed_for):
+            # only a first check is waited for (a healthy run starts at once); re-checks
+            # and retries of a failing bucket are picked up by a later tick
+            wait([job], timeout=rt.settings.bucket_wait_seconds)
         if job.done():
             state.bucket_job = None
             try:

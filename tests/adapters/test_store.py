@@ -58,7 +58,7 @@ def test_publish_writes_files_then_manifest(store, adapters, s3_server):
     manifest = store.publish(adapters[1], 1, step=10)
 
     puts = [key for op, key in store.client.calls if op in ("upload_file", "put_object")]
-    vprefix = "team/x/run-a/adapters/v1/"
+    vprefix = "team/x/default/run-a/adapters/v1/"
     assert puts[-1] == vprefix + MANIFEST
     assert set(puts[:-1]) == {vprefix + f for f in ("adapter_config.json",
                                                     "adapter_model.safetensors", "README.md")}
@@ -169,7 +169,7 @@ def test_unreachable_store_gives_clear_error_without_secrets(s3_env, s3_server):
     with pytest.raises(StoreUnavailable) as info:
         store.versions()
     text = str(info.value) + repr(info.value)
-    assert "unreachable after 2 attempts" in text and "s3://b/r/adapters/" in text
+    assert "unreachable after 2 attempts" in text and "s3://b/asyncgrpo/default/r/adapters/" in text
     for secret in (endpoint, str(port), s3_server.access_key, s3_server.secret_key):
         assert secret not in text
     assert info.value.__cause__ is None and info.value.__suppress_context__

@@ -65,6 +65,31 @@ SCHEMA_INVALID = [
      "spec.adapterStore.endpoint"),
     ("anchor-interval-zero", _mutate(("spec.model.full", {"anchorInterval": 0})),
      "spec.model.full.anchorInterval"),
+    # issue 9: the CLI must refuse what the API server refuses (strict types)
+    ("quoted-int", _mutate(("spec.trainer.numGenerations", "8")), "spec.trainer.numGenerations"),
+    ("quoted-bool", _mutate(("spec.suspend", "true")), "spec.suspend"),
+    # tenancy: prefixes that could escape or alias the run folder
+    ("prefix-root", _mutate(("spec.adapterStore.prefix", "/")), "spec.adapterStore.prefix"),
+    ("prefix-empty", _mutate(("spec.adapterStore.prefix", "")), "spec.adapterStore.prefix"),
+    ("prefix-dotdot", _mutate(("spec.adapterStore.prefix", "a/../b")),
+     "spec.adapterStore.prefix"),
+    ("prefix-empty-segment", _mutate(("spec.adapterStore.prefix", "a//b")),
+     "spec.adapterStore.prefix"),
+    ("prefix-leading-slash", _mutate(("spec.adapterStore.prefix", "/asyncgrpo")),
+     "spec.adapterStore.prefix"),
+    ("endpoint-without-host", _mutate(("spec.adapterStore.endpoint", "http://")),
+     "spec.adapterStore.endpoint"),
+    ("endpoint-with-userinfo", _mutate(("spec.adapterStore.endpoint", "http://u:p@h:9000")),
+     "spec.adapterStore.endpoint"),
+    ("region-with-space", _mutate(("spec.adapterStore.region", "us east")),
+     "spec.adapterStore.region"),
+]
+
+#: Run names the API server refuses through the CRD's metadata schema and the model through
+#: its rules (the longest derived label value is the name + 19 characters; DNS-1035).
+NAME_INVALID = [
+    ("run-name-45", _mutate(("metadata.name", "r" * 45)), "metadata.name"),
+    ("run-name-digit-first", _mutate(("metadata.name", "1run")), "metadata.name"),
 ]
 
 #: Valid to the schema, refused by the cross-field rules (asyncgrpo validate, the operator).
@@ -118,4 +143,6 @@ SEMANTIC_INVALID = [
     ("vllm-gpus-below-tp", _mutate(("spec.rollout.tensorParallelSize", 2),
                                    ("spec.rollout.gpusPerReplica", 1)),
      "spec.rollout.gpusPerReplica"),
+    ("metrics-port-is-rendezvous", _mutate(("spec.trainer.metricsPort", 29500)),
+     "spec.trainer.metricsPort"),
 ]

@@ -13,7 +13,7 @@ from asyncgrpo.api import AsyncGRPORun, load_run, parse_run, validate_run
 from asyncgrpo.api.v1alpha1 import BUILTIN_REWARDS
 from asyncgrpo.api.validation import RunValidationError
 
-from .invalid_specs import REPO, SCHEMA_INVALID, SEMANTIC_INVALID, base_run
+from .invalid_specs import NAME_INVALID, REPO, SCHEMA_INVALID, SEMANTIC_INVALID, base_run
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
@@ -61,7 +61,8 @@ def test_world_size_counts_cpu_nodes_as_one_process():
     assert parse_run(doc).world_size == 3
 
 
-@pytest.mark.parametrize("case", SCHEMA_INVALID + SEMANTIC_INVALID, ids=lambda c: c[0])
+@pytest.mark.parametrize("case", SCHEMA_INVALID + SEMANTIC_INVALID + NAME_INVALID,
+                         ids=lambda c: c[0])
 def test_invalid_run_names_the_field(case):
     _, make, field = case
     _, errors = validate_run(make())
@@ -138,3 +139,43 @@ def test_validate_cli_reports_unreadable_and_foreign_files(tmp_path: Path):
     assert "broken.yaml: cannot read" in result.stderr
     assert "pod.yaml: no AsyncGRPORun" in result.stderr
     assert "missing.yaml: cannot read" in result.stderr
+
+
+def test_longest_name_is_44_and_derived_from_the_revision_hash_label():
+    from asyncgrpo.api.v1alpha1 import MAX_RUN_NAME
+
+    doc = base_run()
+    doc["metadata"]["name"] = "r" * MAX_RUN_NAME
+    assert validate_run(doc)[1] == []
+    # controller-revision-hash = "<run>-trainer-<hash of up to 10>": a label value (<= 63)
+    assert len(f"{'r' * MAX_RUN_NAME}-trainer-{'h' * 10}") == 63
+
+
+def test_run_folder_is_namespaced_and_refuses_escaping_segments():
+    from asyncgrpo.api.layout import ancestors, run_folder
+
+    assert run_folder("asyncgrpo", "team-a", "shared") == "asyncgrpo/team-a/shared/"
+    assert run_folder("asyncgrpo", "team-a", "shared") != run_folder("asyncgrpo", "team-b",
+                                                                     "shared")
+    assert run_folder("p", None, "r") == "p/default/r/"
+    for bad in (("/", "a", "r"), ("a/../b", "a", "r"), ("", "a", "r"), ("p", "../x", "r"),
+                ("p", "a", "r/../../x"), ("p", "a", "")):
+        with pytest.raises(ValueError):
+            run_folder(*bad)
+    assert ancestors("a/b/c/") == ["a/", "a/b/"]
+
+
+def test_checkpoint_identity_names_each_changed_field():
+    from asyncgrpo.api.validation import checkpoint_identity, immutable_errors
+
+    run = parse_run(base_run())
+    fixed = checkpoint_identity(run.spec)
+    assert immutable_errors(fixed, run.spec) == []
+    doc = base_run()
+    doc["spec"]["model"]["name"] = "other/model"
+    doc["spec"]["model"]["lora"]["rank"] = 8
+    paths = [e.path for e in immutable_errors(fixed, parse_run(doc).spec)]
+    assert paths == ["spec.model.lora.rank", "spec.model.name"]
+    doc = base_run()
+    doc["spec"]["trainer"]["learningRate"] = 0.5   # not part of the identity
+    assert immutable_errors(fixed, parse_run(doc).spec) == []

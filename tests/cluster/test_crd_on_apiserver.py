@@ -9,7 +9,7 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from tests.api.invalid_specs import REPO, SCHEMA_INVALID, base_run
+from tests.api.invalid_specs import NAME_INVALID, REPO, SCHEMA_INVALID, base_run
 
 pytestmark = pytest.mark.cluster
 
@@ -59,7 +59,7 @@ def test_api_server_fills_scalar_defaults(crd_installed, kube_dynamic):
     assert created["spec"]["model"]["attention"] == "auto"
 
 
-@pytest.mark.parametrize("case", SCHEMA_INVALID, ids=lambda c: c[0])
+@pytest.mark.parametrize("case", SCHEMA_INVALID + NAME_INVALID, ids=lambda c: c[0])
 def test_invalid_run_is_rejected_with_its_field(crd_installed, kube_dynamic, case):
     _, make, field = case
     with pytest.raises(ApiException) as info:

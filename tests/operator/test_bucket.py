@@ -34,19 +34,112 @@ def test_missing_bucket_without_create_is_bucket_not_found(s3_server):
     assert e.value.reason == "BucketNotFound"
 
 
-def test_delete_run_objects_touches_only_that_run(s3_server):
-    st = store(s3_server, prefix="team/x")
-    bucket.ensure_bucket(st, creds(s3_server))
-    s3 = s3_server.client()
-    # more than one page (1000 keys) of the run's objects
-    keys = [f"team/x/run-a/adapters/v{i}/f" for i in range(1001)] + [
-        "team/x/run-ab/adapters/v1/f", "team/x/run-b/adapters/v1/f", "other/run-a/f"]
+def owner(ns="team-a", name="run-a", uid=None):
+    return bucket.Owner(ns, name, uid or str(uuid.uuid4()))
+
+
+def put(s3, st, keys):
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda k: s3.put_object(Bucket=st.bucket, Key=k, Body=b"1"), keys))
-    assert bucket.delete_run_objects(st, creds(s3_server), "run-a") == 1001
-    left = {o["Key"] for o in s3.list_objects_v2(Bucket=st.bucket)["Contents"]}
-    assert left == set(keys[1001:])
-    assert bucket.delete_run_objects(st, creds(s3_server), "run-a") == 0
+
+
+def keys_of(s3, st):
+    out = set()
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=st.bucket):
+        out |= {o["Key"] for o in page.get("Contents", [])}
+    return out
+
+
+def test_cleanup_deletes_only_the_runs_own_folder(s3_server):
+    st = store(s3_server, prefix="team/x")
+    me = owner()
+    assert bucket.setup_run_folder(st, creds(s3_server), me) is True
+    s3 = s3_server.client()
+    # more than one page (1000 keys) of the run's objects
+    mine = [f"team/x/team-a/run-a/adapters/v{i}/f" for i in range(1001)]
+    others = ["team/x/team-a/run-ab/adapters/v1/f", "team/x/team-b/run-a/adapters/v1/f",
+              "team/x/run-a/f", "other/team-a/run-a/f"]
+    put(s3, st, mine + others)
+    assert bucket.cleanup_run_folder(st, creds(s3_server), me) == 1002  # + the marker
+    assert keys_of(s3, st) == set(others)
+    with pytest.raises(bucket.BucketError) as e:  # the marker went last: nothing to own
+        bucket.cleanup_run_folder(st, creds(s3_server), me)
+    assert e.value.reason == "NotOwner"
+
+
+def test_same_name_in_two_namespaces_never_share_or_delete(s3_server):
+    st = store(s3_server, prefix="asyncgrpo")
+    a, b = owner("team-a", "shared"), owner("team-b", "shared")
+    bucket.setup_run_folder(st, creds(s3_server), a)
+    bucket.setup_run_folder(st, creds(s3_server), b)
+    s3 = s3_server.client()
+    put(s3, st, ["asyncgrpo/team-a/shared/adapters/v1/f", "asyncgrpo/team-b/shared/adapters/v1/f"])
+    bucket.cleanup_run_folder(st, creds(s3_server), a)
+    assert keys_of(s3, st) == {"asyncgrpo/team-b/shared/adapters/v1/f",
+                               "asyncgrpo/team-b/shared/.asyncgrpo-owner.json"}
+
+
+def test_another_runs_uid_is_never_cleaned_nor_claimed(s3_server):
+    st = store(s3_server)
+    first = owner()
+    bucket.setup_run_folder(st, creds(s3_server), first)
+    put(s3_server.client(), st, ["asyncgrpo/team-a/run-a/checkpoints/step-1/f"])
+    second = bucket.Owner(first.namespace, first.name, "another-uid")
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.setup_run_folder(st, creds(s3_server), second)
+    assert e.value.reason == "FolderOwnedByAnotherRun"
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.cleanup_run_folder(st, creds(s3_server), second)
+    assert e.value.reason == "NotOwner"
+    assert "asyncgrpo/team-a/run-a/checkpoints/step-1/f" in keys_of(s3_server.client(), st)
+
+
+def test_a_folder_inside_another_runs_folder_is_refused_and_never_emptied(s3_server):
+    # the victim's adapters/v1 folder is exactly where a run named "v1" in a namespace named
+    # "adapters" with prefix <victim folder> would live
+    st = store(s3_server, prefix="asyncgrpo")
+    victim = owner("team-b", "victim")
+    bucket.setup_run_folder(st, creds(s3_server), victim)
+    put(s3_server.client(), st, ["asyncgrpo/team-b/victim/adapters/v1/manifest.json"])
+    attacker = AdapterStoreSpec(**{**st.model_dump(), "prefix": "asyncgrpo/team-b/victim"})
+    evil = owner("adapters", "v1")
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.setup_run_folder(attacker, creds(s3_server), evil)
+    assert e.value.reason == "FolderInsideAnotherRun"
+    # even with a marker planted by hand, the cleanup sees the enclosing run and stops
+    s3_server.client().put_object(Bucket=st.bucket, Body=evil.marker(),
+                                  Key="asyncgrpo/team-b/victim/adapters/v1/.asyncgrpo-owner.json")
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.cleanup_run_folder(attacker, creds(s3_server), evil)
+    assert e.value.reason == "FolderInsideAnotherRun"
+    assert "asyncgrpo/team-b/victim/adapters/v1/manifest.json" in keys_of(s3_server.client(), st)
+
+
+def test_a_folder_around_another_run_is_refused_and_skips_it_on_cleanup(s3_server):
+    st = store(s3_server, prefix="p")
+    inner_store = AdapterStoreSpec(**{**st.model_dump(), "prefix": "p/team-a/outer"})
+    inner = owner("team-b", "inner")
+    bucket.setup_run_folder(inner_store, creds(s3_server), inner)
+    put(s3_server.client(), st, ["p/team-a/outer/team-b/inner/adapters/v1/f"])
+    outer = owner("team-a", "outer")
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.setup_run_folder(st, creds(s3_server), outer)
+    assert e.value.reason == "FolderContainsAnotherRun"
+    # the outer run's marker (as if it had come first): its cleanup leaves the inner run alone
+    s3_server.client().put_object(Bucket=st.bucket, Key="p/team-a/outer/.asyncgrpo-owner.json",
+                                  Body=outer.marker())
+    put(s3_server.client(), st, ["p/team-a/outer/adapters/v1/f"])
+    assert bucket.cleanup_run_folder(st, creds(s3_server), outer) == 2
+    assert keys_of(s3_server.client(), st) == {
+        "p/team-a/outer/team-b/inner/adapters/v1/f",
+        "p/team-a/outer/team-b/inner/.asyncgrpo-owner.json"}
+
+
+@pytest.mark.parametrize("prefix", ["/", "", "a//b", "../a", "a/../b", "a/", "/a", "a/./b",
+                                    ".hidden"])
+def test_unsafe_prefixes_are_refused_by_the_model(prefix):
+    with pytest.raises(ValueError):
+        AdapterStoreSpec(bucket="runs", prefix=prefix)
 
 
 def test_secret_errors_and_redaction(s3_server):
@@ -54,6 +147,14 @@ def test_secret_errors_and_redaction(s3_server):
     with pytest.raises(bucket.BucketError) as e:
         bucket.credentials_from_secret(None, st)
     assert e.value.reason == "SecretNotFound"
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.credentials_from_secret({"data": {"AWS_ACCESS_KEY_ID": "eA=="}}, st)
+    assert e.value.reason == "SecretKeyMissing" and "AWS_SECRET_ACCESS_KEY" in e.value.message
+    for bad in ("/w==", "not base64!", ""):   # not UTF-8, not base64, empty
+        with pytest.raises(bucket.BucketError) as e:
+            bucket.credentials_from_secret({"data": {"AWS_ACCESS_KEY_ID": bad,
+                                                     "AWS_SECRET_ACCESS_KEY": "eA=="}}, st)
+        assert e.value.reason == "SecretInvalid"
     with pytest.raises(bucket.BucketError) as e:
         bucket.credentials_from_secret({"data": {"AWS_ACCESS_KEY_ID": "eA=="}}, st)
     assert e.value.reason == "SecretKeyMissing" and "AWS_SECRET_ACCESS_KEY" in e.value.message
@@ -70,3 +171,65 @@ def test_unreachable_endpoint_is_named_without_its_url():
     with pytest.raises(bucket.BucketError) as e:
         bucket.ensure_bucket(st, bucket.Credentials("a", "b"))
     assert e.value.reason == "EndpointUnreachable" and "127.0.0.1" not in e.value.message
+
+
+def test_silent_endpoint_gives_up_with_a_reason(s3_server):
+    """A listener that accepts and never answers: the short timeouts end the call."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    try:
+        st = AdapterStoreSpec(endpoint=f"http://127.0.0.1:{srv.getsockname()[1]}",
+                              bucket="x-bucket")
+        with pytest.raises(bucket.BucketError) as e:
+            bucket.setup_run_folder(st, bucket.Credentials("a", "b"), owner())
+        assert e.value.reason == "EndpointUnreachable"
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("endpoint", ["http://169.254.169.254", "http://[fe80::1]:80",
+                                      "http://0.0.0.0:9000"])
+def test_link_local_and_metadata_endpoints_are_refused_by_default(endpoint):
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.check_endpoint(AdapterStoreSpec(endpoint=endpoint, bucket="x-bucket"))
+    assert e.value.reason == "EndpointNotAllowed"
+
+
+def test_allowlist_admits_only_listed_endpoints(s3_server):
+    st = store(s3_server)
+    bucket.check_endpoint(st, [s3_server.endpoint])
+    bucket.check_endpoint(st, ["127.0.0.1"])
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.check_endpoint(st, ["https://minio.storage:9000"])
+    assert e.value.reason == "EndpointNotAllowed"
+    with pytest.raises(bucket.BucketError) as e:   # AWS itself needs listing too
+        bucket.check_endpoint(AdapterStoreSpec(bucket="x-bucket"), ["127.0.0.1"])
+    assert e.value.reason == "EndpointNotAllowed"
+    # link-local only when the admin lists it explicitly
+    bucket.check_endpoint(AdapterStoreSpec(endpoint="http://169.254.1.1", bucket="x-bucket"),
+                          ["169.254.1.1"])
+
+
+@pytest.mark.parametrize("changes", [{"endpoint": "http://"}, {"region": "us east"},
+                                     {"endpoint": "http://a b"}, {"endpoint": "http://u:p@h"}])
+def test_malformed_endpoint_or_region_becomes_a_bucket_error(changes):
+    """Refused by the model; a stored object that predates the rule still gets a reason."""
+    with pytest.raises(ValueError):
+        AdapterStoreSpec(bucket="x-bucket", **changes)
+    st = AdapterStoreSpec.model_construct(**{**AdapterStoreSpec(bucket="x-bucket").__dict__,
+                                             **changes})
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.check_endpoint(st)
+        bucket.setup_run_folder(st, bucket.Credentials("a", "b"), owner())
+    assert e.value.reason in ("InvalidEndpoint", "EndpointUnreachable")
+
+
+def test_no_credentials_never_falls_back_to_the_operators_identity(s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.setup_run_folder(store(s3_server), None, owner())
+    assert e.value.reason == "NoCredentials"

@@ -88,8 +88,8 @@ def test_delete_follows_the_deletion_policy(api, ns, s3_server, policy):
     wait_for(lambda: api.condition(ns, name, "BucketReady").get("status") == "True",
              what="bucket")
     s3 = s3_server.client()
-    mine = f"asyncgrpo/{name}/adapters/v1/manifest.json"
-    other = f"asyncgrpo/{name}-other/adapters/v1/manifest.json"
+    mine = f"asyncgrpo/{ns}/{name}/adapters/v1/manifest.json"
+    other = f"asyncgrpo/{ns}/{name}-other/adapters/v1/manifest.json"
     for key in (mine, other):
         s3.put_object(Bucket="deletion-bucket", Key=key, Body=b"{}")
 
@@ -208,9 +208,9 @@ def test_no_api_writes_at_steady_state(api, ns, s3_server, peers):
 
 
 def test_hostile_spec_values_are_refused_children_not_a_crash(api, ns, s3_server, operator):
-    """Values the schema lets through but the API server refuses (a malformed valueFrom, a
-    50-character name) become an ApplyFailed condition; the rest of the run still exists."""
-    name = "h" * 50
+    """Values the schema lets through but the API server refuses (a malformed valueFrom) become
+    an ApplyFailed condition; the rest of the run (with the longest name) still exists."""
+    name = "h" * 44
     run = make_run(s3_server, ns, name)
     run["spec"]["rollout"]["env"] = [{"name": "X", "valueFrom": {"bogus": {"a": 1}}}]
     run["spec"]["rollout"]["extraArgs"] = ["--x=" + "y" * 5000]

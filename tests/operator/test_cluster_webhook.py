@@ -83,6 +83,16 @@ def test_webhook_refuses_cross_field_errors_at_apply(api, crd_installed, peers, 
         with pytest.raises(ApiException) as e:
             api.patch("AsyncGRPORun", ns, "accepted", {"spec": {"trainer": {"fsdpSize": 3}}})
         assert e.value.status == 422 and "spec.trainer.fsdpSize" in e.value.body
+        # fields the checkpoints depend on are immutable (issue 9)
+        with pytest.raises(ApiException) as e:
+            api.patch("AsyncGRPORun", ns, "accepted", {"spec": {"model": {"lora": {"rank": 8}}}})
+        assert e.value.status == 422 and "spec.model.lora.rank" in e.value.body
+        # over the operator's caps
+        flood = make_run(s3_server, ns, "flood")
+        flood["spec"]["sandboxes"] = {"minWarm": 100000, "max": 100000, "hardCap": 100000}
+        with pytest.raises(ApiException) as e:
+            api.create(flood)
+        assert e.value.status == 422 and "spec.sandboxes.hardCap" in e.value.body
     finally:
         op.stop()
         try:   # kopf removes its managed configuration on exit; make sure of it

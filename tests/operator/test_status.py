@@ -146,3 +146,38 @@ def test_sandbox_conditions():
     obs.pool_error = ("Forbidden", 'RuntimeClass "gvisor" not found')
     c = conds(compute(spec, obs, {}, "T")[0])["SandboxesReady"]
     assert c["reason"] == "SandboxCreateFailed" and "gvisor" in c["message"]
+
+
+def test_invalid_patch_keeps_what_is_observed_of_the_running_workloads():
+    """Issue 9: a later invalid patch must not erase the running run's conditions or say it
+    progresses; the kept conditions keep the generation they were observed for."""
+    running, _ = compute(SPEC, running_obs(), {}, "T1")
+    obs = Observation(generation=4, spec_errors=[FieldError("spec.model.name", "immutable")],
+                      spec_error_reason="ImmutableFieldChanged")
+    status, events = compute(None, obs, running, "T2")
+    c = conds(status)
+    assert status["phase"] == "Running"
+    assert c["TrainerReady"]["status"] == "True" and c["TrainerReady"]["observedGeneration"] == 3
+    assert c["Progressing"]["status"] == "False"
+    assert c["Progressing"]["reason"] == "ImmutableFieldChanged"
+    assert "last spec the operator applied" in c["Progressing"]["message"]
+    assert c["Degraded"]["status"] == "True" and c["Degraded"]["observedGeneration"] == 4
+    assert ("Warning", "ImmutableFieldChanged") in {(e.type, e.reason) for e in events}
+
+
+def test_pod_identity_is_unknown_and_does_not_hold_the_run():
+    status, _ = compute(SPEC, running_obs(bucket_note=("PodIdentity", "pods' own identity")),
+                        {}, "T1")
+    assert conds(status)["BucketReady"]["status"] == "Unknown"
+    assert status["phase"] == "Running"
+
+
+def test_a_restart_keeps_the_last_bucket_finding_while_the_check_runs():
+    """After an operator restart the first bucket check is in flight: the condition must not
+    flip to Checking (a spurious transition and event) nor hold a Running run in Pending."""
+    running, _ = compute(SPEC, running_obs(), {}, "T1")
+    restarted = Observation(generation=3, bucket_checked=False,
+                            children=running_obs().children)
+    status, events = compute(SPEC, restarted, running, "T2")
+    assert conds(status)["BucketReady"] == conds(running)["BucketReady"]
+    assert status["phase"] == "Running" and not events

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncgrpo.api.layout import run_folder
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -95,7 +96,7 @@ def _write_run(tmp: Path, vllm_server, s3_server, run: str) -> Path:
                         "checkpointInterval": CHECKPOINT_INTERVAL, "learningRate": 1e-3},
             "rollout": {"maxLoraRank": 16, "maxModelLen": 1024,
                         "sampling": {"maxCompletionTokens": 12}},
-            "adapterStore": {"bucket": vllm_server.bucket, "prefix": "",
+            "adapterStore": {"bucket": vllm_server.bucket, "prefix": "asyncgrpo",
                              "endpoint": s3_server.endpoint, "retention": 50},
             "data": {"path": str(prompts)},
             "reward": {"functions": [{"name": "numeric_match"}]},
@@ -144,7 +145,7 @@ def _status(work: Path) -> dict:
 
 def _manifests(client, bucket: str, run: str) -> dict[int, dict]:
     out = {}
-    resp = client.list_objects_v2(Bucket=bucket, Prefix=f"{run}/adapters/")
+    resp = client.list_objects_v2(Bucket=bucket, Prefix=run_folder("asyncgrpo", None, run) + "adapters/")
     for obj in resp.get("Contents", []):
         if obj["Key"].endswith("/manifest.json"):
             doc = json.loads(client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
@@ -153,7 +154,7 @@ def _manifests(client, bucket: str, run: str) -> dict[int, dict]:
 
 
 def _complete_checkpoints(client, bucket: str, run: str) -> list[int]:
-    resp = client.list_objects_v2(Bucket=bucket, Prefix=f"{run}/checkpoints/")
+    resp = client.list_objects_v2(Bucket=bucket, Prefix=run_folder("asyncgrpo", None, run) + "checkpoints/")
     return sorted(int(o["Key"].split("/")[-2].removeprefix("step-"))
                   for o in resp.get("Contents", []) if o["Key"].endswith("/COMPLETE"))
 

@@ -60,7 +60,7 @@ def test_weights_live_beside_the_adapters_of_the_same_run(store):
 
     adapters = AdapterStore(store.bucket, run=store.run, prefix=store.prefix, client=store.client)
     assert store.root == adapters.root.removesuffix("adapters/") + "weights/"
-    assert store.root == "team/x/run-w/weights/"
+    assert store.root == "team/x/default/run-w/weights/"  # <prefix>/<namespace>/<run>/
 
 
 def test_manifest_is_written_last_and_versions_are_immutable(store, tmp_path):

@@ -1,10 +1,10 @@
 """Versioned LoRA adapters in an S3-compatible bucket: the only channel from trainer to vLLM.
 
-Layout (one run)::
+Layout (one run; the run folder comes from ``asyncgrpo.api.layout.run_folder``)::
 
-    <prefix>/<run>/adapters/v{N}/adapter_config.json
-    <prefix>/<run>/adapters/v{N}/adapter_model.safetensors
-    <prefix>/<run>/adapters/v{N}/manifest.json        <- written last
+    <prefix>/<namespace>/<run>/adapters/v{N}/adapter_config.json
+    <prefix>/<namespace>/<run>/adapters/v{N}/adapter_model.safetensors
+    <prefix>/<namespace>/<run>/adapters/v{N}/manifest.json        <- written last
 
 Invariants the readers rely on:
 
@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
+
+from asyncgrpo.api.layout import DEFAULT_NAMESPACE, run_folder
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +243,9 @@ class AdapterStore:
         self,
         bucket: str,
         run: str,
-        prefix: str = "",
+        prefix: str = "asyncgrpo",
         *,
+        namespace: str | None = None,
         endpoint_url: str | None = None,
         region: str | None = None,
         client: Any = None,
@@ -255,11 +258,11 @@ class AdapterStore:
     ):
         if not bucket:
             raise ValueError("bucket must be set")
-        if not run or "/" in run:
-            raise ValueError(f"run must be a non-empty name without '/', got {run!r}")
         self.bucket = bucket
         self.run = run
-        self.prefix = prefix.strip("/")
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.prefix = prefix
+        self.folder = run_folder(prefix, self.namespace, run)  # ValueError on a bad segment
         self.name_prefix = name_prefix
         self.attempts = max(1, int(attempts))
         self.backoff_s = backoff_s
@@ -296,7 +299,8 @@ class AdapterStore:
         opts: dict[str, Any] = {
             "bucket": env["ASYNCGRPO_ADAPTER_BUCKET"],
             "run": env["ASYNCGRPO_ADAPTER_RUN"],
-            "prefix": env.get("ASYNCGRPO_ADAPTER_PREFIX", ""),
+            "prefix": env.get("ASYNCGRPO_ADAPTER_PREFIX") or "asyncgrpo",
+            "namespace": env.get("ASYNCGRPO_ADAPTER_NAMESPACE") or None,
             "endpoint_url": env.get("ASYNCGRPO_ADAPTER_ENDPOINT") or None,
             "region": env.get("ASYNCGRPO_ADAPTER_REGION") or None,
             "name_prefix": env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX,
@@ -313,8 +317,7 @@ class AdapterStore:
     @property
     def root(self) -> str:
         """Key prefix of this run's adapters, ending in '/'."""
-        parts = [p for p in (self.prefix, self.run, "adapters") if p]
-        return "/".join(parts) + "/"
+        return self.folder + "adapters/"
 
     def version_prefix(self, version: int) -> str:
         return f"{self.root}v{int(version)}/"

@@ -10,7 +10,9 @@ Configuration (environment of the vLLM server; the operator sets it):
 ``ASYNCGRPO_ADAPTER_BUCKET``     bucket (required; without it the plugin registers nothing)
 ``ASYNCGRPO_ADAPTER_RUN``        run whose adapters ``policy-v{N}`` names (required unless
                                  ``ASYNCGRPO_ADAPTER_ANY_RUN=1``)
-``ASYNCGRPO_ADAPTER_PREFIX``     key prefix before ``<run>/adapters/`` (default empty)
+``ASYNCGRPO_ADAPTER_PREFIX``     key prefix before ``<namespace>/<run>/adapters/`` (default
+                                 ``asyncgrpo``)
+``ASYNCGRPO_ADAPTER_NAMESPACE``  the run's namespace (default ``default``)
 ``ASYNCGRPO_ADAPTER_ENDPOINT``   S3 endpoint URL (else boto3's ``AWS_ENDPOINT_URL_S3`` /
                                  ``AWS_ENDPOINT_URL``; else AWS)
 ``ASYNCGRPO_ADAPTER_REGION``     region (else boto3's default chain)
@@ -60,7 +62,8 @@ from asyncgrpo.adapters.store import (
 #: vLLM formats loggers under "vllm"; ours sits below it so its lines appear in the server log.
 log = logging.getLogger("vllm.asyncgrpo.s3_lora_resolver")
 RESOLVER_NAME = "asyncgrpo-s3"
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+#: Run names are DNS labels (asyncgrpo.api.layout refuses anything else as a folder segment).
+_RUN_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def _truthy(v: str | None) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from asyncgrpo import API_GROUP, API_VERSION, KIND
-from asyncgrpo.api.v1alpha1 import AsyncGRPORunSpec, AsyncGRPORunStatus
+from asyncgrpo.api.v1alpha1 import MAX_RUN_NAME, RUN_NAME, AsyncGRPORunSpec, AsyncGRPORunStatus
 
 PLURAL = "asyncgrporuns"
 SINGULAR = "asyncgrporun"
@@ -113,7 +113,9 @@ def openapi_schema() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # the only metadata a CRD schema may constrain: checked by the API server itself
+            "metadata": {"type": "object", "properties": {"name": {
+                "type": "string", "maxLength": MAX_RUN_NAME, "pattern": RUN_NAME}}},
             "spec": spec,
             "status": status,
         },

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from asyncgrpo import API_GROUP, API_VERSION, KIND
+from asyncgrpo.api.layout import PREFIX_PATTERN
 
 #: A Kubernetes resource quantity: "500m", "16Gi", 2.
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
@@ -31,18 +32,42 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+#: torchrun's rendezvous port in every trainer pod: no other port of the pod may use it.
+TRAINER_RENDEZVOUS_PORT = 29500
 BUCKET_NAME = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
+#: An S3 endpoint: scheme, a host (name, IPv4 or [IPv6]), an optional port and path; no user
+#: info, query or fragment.
+ENDPOINT_URL = (r"^https?://([A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
+                r"(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
+#: A run name: a DNS-1035 label (children become Services, whose names must start with a
+#: letter).
+RUN_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+#: The longest value derived from the run name is the trainer StatefulSet's pod label
+#: controller-revision-hash, "<run>-trainer-<hash>" with a hash of up to 10 characters;
+#: label values hold 63 characters, so 63 - len("-trainer-") - 10 = 44. (Pod names such as
+#: "<run>-trainer-<ordinal>" and "<run>-sandbox-<4>" are shorter.)
+MAX_RUN_NAME = 63 - len("-trainer-") - 10
 
 
 class Model(BaseModel):
     """Base of every API object: camelCase on the wire, unknown fields refused."""
 
+    # strict: "8" is not 8, "true" is not true. The API server refuses those through the
+    # CRD schema, so `asyncgrpo validate` and the local backend refuse them too.
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
         validate_default=True,
+        strict=True,
     )
+
+
+class StatusModel(Model):
+    """Base of the status objects: written by the operator as JSON (timestamps as strings),
+    so parsed leniently."""
+
+    model_config = ConfigDict(strict=False)
 
 
 # ---------------------------------------------------------------- shared small types
@@ -52,9 +77,11 @@ class ResourceRequirements(Model):
     """Compute resources of one container, as in a Pod spec."""
 
     requests: dict[str, Quantity] = Field(
+        max_length=32,
         default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}."
     )
     limits: dict[str, Quantity] = Field(
+        max_length=32,
         default_factory=dict,
         description="Maximum resources. GPUs go here too (nvidia.com/gpu), set by the operator "
         "from gpusPerReplica unless given.",
@@ -67,6 +94,7 @@ class EnvVar(Model):
     name: str = Field(min_length=1, description="Variable name.")
     value: str | None = Field(default=None, description="Literal value.")
     value_from: dict[str, Any] | None = Field(
+        max_length=4,
         default=None,
         description="Source of the value (secretKeyRef, configMapKeyRef, fieldRef), as in a Pod.",
     )
@@ -94,6 +122,7 @@ class LoraSpec(Model):
     alpha: int = Field(default=32, ge=1, description="Scaling alpha (scale = alpha / rank).")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
+        max_length=64,
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
         description="Module names to adapt, or ['all-linear'].",
@@ -203,7 +232,8 @@ class TrainerSpec(Model):
     seed: int = Field(default=0, ge=0, description="Seed for data order and initialization.")
     metrics_port: int = Field(default=9400, ge=1024, le=65535,
                               description="Port of the trainer's Prometheus endpoint.")
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=128,
+                              description="Extra environment variables.")
 
 
 # ---------------------------------------------------------------- rollout (vLLM)
@@ -249,9 +279,10 @@ class RolloutSpec(Model):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of each vLLM pod.")
-    extra_args: list[str] = Field(default_factory=list,
+    extra_args: list[str] = Field(default_factory=list, max_length=128,
                                   description="Extra vLLM server arguments, appended as given.")
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=128,
+                              description="Extra environment variables.")
 
 
 # ---------------------------------------------------------------- sandboxes
@@ -261,9 +292,11 @@ class SandboxNetworkSpec(Model):
     """Egress of sandbox pods. Everything not listed is denied; ingress only from the gateway."""
 
     allowed_egress_cidrs: list[str] = Field(
+        max_length=256,
         default_factory=list, description="CIDRs sandboxes may reach, e.g. a package mirror."
     )
     allowed_egress_hosts: list[str] = Field(
+        max_length=256,
         default_factory=list,
         description="Host names sandboxes may reach; resolved by the operator to /32 (or /128) "
         "blocks at each reconcile, and DNS egress to kube-dns is opened for them.",
@@ -304,13 +337,18 @@ class AdapterStoreSpec(Model):
     """S3-compatible bucket holding adapters (per policy version), checkpoints and data."""
 
     endpoint: str | None = Field(
-        default=None, pattern=r"^https?://",
-        description="S3 endpoint URL (MinIO, Ceph, GCS interop...); empty for AWS S3.",
+        default=None, max_length=2048, pattern=ENDPOINT_URL,
+        description="S3 endpoint URL, http(s)://host[:port][/path] (MinIO, Ceph, GCS "
+        "interop...); empty for AWS S3. The cluster admin may restrict endpoints.",
     )
     bucket: str = Field(pattern=BUCKET_NAME, description="Bucket name.")
-    prefix: str = Field(default="asyncgrpo", pattern=r"^[A-Za-z0-9._/-]*$",
-                        description="Key prefix; the run writes under <prefix>/<run name>/.")
-    region: str = Field(default="us-east-1", min_length=1, description="Bucket region.")
+    prefix: str = Field(
+        default="asyncgrpo", min_length=1, max_length=256, pattern=PREFIX_PATTERN,
+        description="Key prefix; the run writes under <prefix>/<namespace>/<run name>/. "
+        "Segments of letters, digits, '.', '_', '-' joined by '/'; no empty, '.' or '..' "
+        "segment, no leading or trailing '/'.")
+    region: str = Field(default="us-east-1", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$",
+                        description="Bucket region.")
     credentials_secret: SecretKeyRef | None = Field(
         default=None,
         description="Secret with S3 credentials; empty uses the pods' ambient identity (IRSA...).",
@@ -363,6 +401,7 @@ class RewardFunction(Model):
         description="For name=python: 'package.module:function' importable in the trainer image.",
     )
     args: dict[str, Any] = Field(
+        max_length=32,
         default_factory=dict, description="Keyword arguments of the function (free-form)."
     )
 
@@ -370,7 +409,8 @@ class RewardFunction(Model):
 class RewardSpec(Model):
     """How rollouts are scored."""
 
-    functions: list[RewardFunction] = Field(min_length=1, description="Reward terms.")
+    functions: list[RewardFunction] = Field(min_length=1, max_length=32,
+                                            description="Reward terms.")
 
 
 class HarnessSpec(Model):
@@ -411,7 +451,7 @@ class AsyncGRPORunSpec(Model):
     )
 
 
-class Condition(Model):
+class Condition(StatusModel):
     """A Kubernetes-style condition (metav1.Condition)."""
 
     type: str = Field(description="Condition type, e.g. TrainerReady.")
@@ -424,14 +464,14 @@ class Condition(Model):
                                             description="Generation the condition was set for.")
 
 
-class AdapterVersionsLoaded(Model):
+class AdapterVersionsLoaded(StatusModel):
     """Policy versions one vLLM replica currently serves."""
 
     replica: str = Field(description="vLLM pod name.")
     versions: list[int] = Field(default_factory=list, description="Loaded policy versions.")
 
 
-class ThroughputStatus(Model):
+class ThroughputStatus(StatusModel):
     """Training throughput, mirrored from the trainer's metrics."""
 
     raw_tokens_per_second: float = Field(default=0.0, description="Rollout tokens trained per s.")
@@ -440,7 +480,7 @@ class ThroughputStatus(Model):
     tree_compression_ratio: float = Field(default=1.0, description="Raw / forwarded tokens.")
 
 
-class SandboxStatus(Model):
+class SandboxStatus(StatusModel):
     """Sandbox pool counts."""
 
     warm: int = Field(default=0, description="Ready and idle.")
@@ -450,7 +490,7 @@ class SandboxStatus(Model):
     spawned_total: int = Field(default=0, description="Sandbox pods created over the run.")
 
 
-class AsyncGRPORunStatus(Model):
+class AsyncGRPORunStatus(StatusModel):
     """Observed state of the run, written by the operator."""
 
     phase: Literal["Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed"] = Field(
@@ -467,6 +507,11 @@ class AsyncGRPORunStatus(Model):
     throughput: ThroughputStatus = Field(default_factory=ThroughputStatus,
                                          description="Throughput.")
     sandboxes: SandboxStatus = Field(default_factory=SandboxStatus, description="Sandbox counts.")
+    checkpoint_identity: str | None = Field(
+        default=None, max_length=4096,
+        description="What the run's checkpoints depend on (model name, finetuning, LoRA rank "
+        "and targets), as JSON, fixed at the first reconcile: a spec that changes it is "
+        "refused by the webhook and not rolled out by the operator.")
     start_time: datetime | None = Field(default=None, description="When training started.")
     completion_time: datetime | None = Field(default=None, description="When the run finished.")
 
@@ -474,7 +519,8 @@ class AsyncGRPORunStatus(Model):
 class ObjectMeta(Model):
     """The part of metadata the model reads; the rest is kept as given."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow",
+                              strict=True)
 
     # Checked in asyncgrpo.api.validation: the CRD schema cannot constrain metadata.name.
     name: str = Field(default="run", description="Run name; children are named after it.")

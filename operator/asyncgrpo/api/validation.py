@@ -10,6 +10,7 @@ and later layers report the same message.
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,11 +21,14 @@ import yaml
 from pydantic import ValidationError
 
 from asyncgrpo import API_GROUP, KIND
-from asyncgrpo.api.v1alpha1 import DNS_LABEL, AsyncGRPORun
+from asyncgrpo.api.v1alpha1 import (
+    MAX_RUN_NAME,
+    RUN_NAME,
+    TRAINER_RENDEZVOUS_PORT,
+    AsyncGRPORun,
+    AsyncGRPORunSpec,
+)
 from asyncgrpo.trainer.rewards import accepted_args
-
-#: Children append up to 13 characters ("-sandbox-" + 4) to the run name; keep them DNS labels.
-MAX_RUN_NAME = 50
 
 
 @dataclass(frozen=True)
@@ -90,9 +94,14 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
         errors.append(FieldError(path, message))
 
     name = run.metadata.name
-    if len(name) > MAX_RUN_NAME or not re.match(DNS_LABEL, name):
-        err("metadata.name", f"must be a DNS label of at most {MAX_RUN_NAME} characters "
-            f"(children append suffixes), got {name!r}")
+    if len(name) > MAX_RUN_NAME or not re.match(RUN_NAME, name):
+        err("metadata.name", f"must be at most {MAX_RUN_NAME} lower-case letters, digits "
+            "and '-', starting with a letter (children's Service names are DNS-1035 labels, "
+            f"and their longest label value is the name + 19 characters), got {name!r}")
+
+    if run.spec.trainer.metrics_port == TRAINER_RENDEZVOUS_PORT:
+        err("spec.trainer.metricsPort", f"{TRAINER_RENDEZVOUS_PORT} is the trainer's "
+            "rendezvous port (torchrun): choose another")
 
     if r.gpus_per_replica and r.gpus_per_replica < r.tensor_parallel_size:
         err("spec.rollout.gpusPerReplica", f"{r.gpus_per_replica} GPUs cannot hold "
@@ -181,6 +190,36 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
             except ValueError:
                 err(f"spec.sandboxes.network.allowedEgressCidrs[{i}]", f"not a CIDR: {cidr!r}")
     return errors
+
+
+def checkpoint_identity(spec: AsyncGRPORunSpec) -> str:
+    """The fields a run's checkpoints depend on, as JSON keyed by field path.
+
+    Resuming from a checkpoint written for another model, fine-tuning mode or adapter shape
+    would load the wrong tensors (or fail late), so these fields are immutable once a run
+    started: the webhook refuses a change, the operator reports it and rolls nothing out.
+    The tokenizer comes from spec.model.name, so it is covered by that field.
+    """
+    m = spec.model
+    ident: dict[str, Any] = {"spec.model.name": m.name, "spec.model.finetuning": m.finetuning}
+    if m.finetuning == "lora":
+        ident["spec.model.lora.rank"] = m.lora.rank
+        ident["spec.model.lora.targetModules"] = sorted(m.lora.target_modules)
+    return json.dumps(ident, sort_keys=True, separators=(",", ":"))
+
+
+def immutable_errors(fixed: str, spec: AsyncGRPORunSpec) -> list[FieldError]:
+    """One error per checkpoint-identity field that differs from `fixed` (a previous
+    `checkpoint_identity`)."""
+    try:
+        before = json.loads(fixed)
+    except ValueError:
+        return []
+    now = json.loads(checkpoint_identity(spec))
+    return [FieldError(path, f"is immutable once the run started (its checkpoints depend on "
+                       f"it): was {before.get(path)!r}, now {now.get(path)!r}; create a new "
+                       "run instead")
+            for path in sorted(set(before) | set(now)) if before.get(path) != now.get(path)]
 
 
 def validate_run(doc: dict[str, Any]) -> tuple[AsyncGRPORun | None, list[FieldError]]:

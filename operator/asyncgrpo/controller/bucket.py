@@ -1,20 +1,35 @@
-"""The run's S3 bucket: created if missing, and emptied of the run's objects on deletion when
-the deletion policy says Delete.
+"""The run's S3 bucket and run folder: set up (bucket created if missing, ownership marker
+written) and, on deletion with deletionPolicy Delete, emptied of the run's own objects.
 
 Every failure becomes a `BucketError` with a reason a user can act on (SecretNotFound,
-BadCredentials, BucketNotFound...) and a message that names the bucket and the S3 error
-code, never the credentials. Only the run's own prefix (`<prefix>/<run>/`) is ever deleted:
-a bucket is often shared by many runs.
+BadCredentials, BucketNotFound, EndpointNotAllowed...) and a message that names the bucket
+and the S3 error code, never the credentials or the endpoint. Nothing here raises anything
+else on bad input: a malformed endpoint or region, a Secret value that is not UTF-8 all
+become a BucketError.
+
+Tenancy (see docs/security.md): the run folder is `asyncgrpo.api.layout.run_folder`
+(`<prefix>/<namespace>/<name>/`). Setup writes an ownership marker holding the run's uid and
+refuses a folder that has another run's marker inside it or above it; cleanup deletes only
+when the marker holds the run's uid, never above its folder, and never under another run's
+marker. Clients are built with explicit credentials only (from the run's Secret); without
+them the operator does not touch the bucket, so it never lends its own identity to a run.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import ipaddress
+import json
+import socket
+import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from asyncgrpo.api import layout
 from asyncgrpo.api.v1alpha1 import AdapterStoreSpec
 
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
@@ -49,27 +64,101 @@ def credentials_from_secret(secret: dict[str, Any] | None, store: AdapterStoreSp
     for key in (ref.access_key_id_key, ref.secret_access_key_key):
         if key not in data:
             raise BucketError("SecretKeyMissing", f"Secret {ref.name!r} has no key {key!r}")
-        values[key] = base64.b64decode(data[key]).decode()
+        try:
+            values[key] = base64.b64decode(data[key], validate=True).decode("utf-8").strip()
+        except (binascii.Error, UnicodeDecodeError, TypeError):
+            raise BucketError("SecretInvalid", f"Secret {ref.name!r} key {key!r} is not "
+                              "UTF-8 text") from None
+        if not values[key] or not values[key].isprintable():
+            raise BucketError("SecretInvalid", f"Secret {ref.name!r} key {key!r} is empty "
+                              "or holds control characters") from None
     return Credentials(values[ref.access_key_id_key], values[ref.secret_access_key_key])
 
 
-def client(store: AdapterStoreSpec, creds: Credentials | None, timeout: float = 10.0):
+#: Seconds an S3 call may take from the operator: short, so a silent endpoint costs a bucket
+#: worker a few seconds, never a handler thread (the calls run off the handler path).
+TIMEOUT_SECONDS = 3.0
+
+
+def check_endpoint(store: AdapterStoreSpec, allowlist: Iterable[str] = ()) -> None:
+    """Refuse an endpoint the cluster admin did not allow, before any request is sent.
+
+    `allowlist` holds endpoint URLs ("https://minio.storage:9000") or host names; empty allows
+    any host except link-local (169.254.0.0/16, fe80::/10, cloud metadata) and unspecified
+    addresses, which are refused unless listed explicitly. Hosts are resolved here, so a name
+    pointing at a metadata address is refused too.
+    """
+    allow = [a.rstrip("/") for a in allowlist if a]
+    endpoint = store.endpoint
+    if not endpoint:
+        if allow and not any(a in ("aws", "s3.amazonaws.com") for a in allow):
+            raise BucketError("EndpointNotAllowed", "AWS S3 (no spec.adapterStore.endpoint) "
+                              "is not in the operator's endpoint allowlist")
+        return
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        host, port = url.hostname, url.port
+    except ValueError:
+        host = port = None
+    if url.scheme not in ("http", "https") or not host or url.username or url.password \
+            or url.query or url.fragment:
+        raise BucketError("InvalidEndpoint", "spec.adapterStore.endpoint must be "
+                          "http(s)://host[:port][/path] with a host and no credentials")
+    if allow:
+        if endpoint.rstrip("/") in allow or host in allow:
+            return
+        raise BucketError("EndpointNotAllowed", "spec.adapterStore.endpoint is not in the "
+                          "operator's endpoint allowlist (Helm value adapterStore."
+                          "allowedEndpoints)")
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, port or 443,
+                                                       type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        raise BucketError("EndpointUnreachable", "spec.adapterStore.endpoint: its host "
+                          "name does not resolve") from None
+    for addr in addrs:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+        if ip.is_link_local or ip.is_unspecified or ip.is_multicast or \
+                (ip.version == 6 and ip.ipv4_mapped and ip.ipv4_mapped.is_link_local):
+            raise BucketError("EndpointNotAllowed", "spec.adapterStore.endpoint resolves to "
+                              "a link-local or metadata address; the operator refuses it "
+                              "unless the cluster admin lists it in adapterStore."
+                              "allowedEndpoints")
+
+
+def client(store: AdapterStoreSpec, creds: Credentials, timeout: float = TIMEOUT_SECONDS):
+    """An S3 client signed with the run's credentials only (never boto3's ambient chain)."""
     import boto3
     from botocore.config import Config
 
+    if creds is None:  # a programming error: the operator never lends its own identity
+        raise BucketError("NoCredentials", "no credentialsSecret: the operator does not "
+                          "use its own identity for a run's bucket")
     kw: dict[str, Any] = {"region_name": store.region,
                           "config": Config(connect_timeout=timeout, read_timeout=timeout,
-                                           retries={"max_attempts": 2})}
+                                           retries={"total_max_attempts": 1},
+                                           s3={"addressing_style": "path"}),
+                          "aws_access_key_id": creds.access_key_id,
+                          "aws_secret_access_key": creds.secret_access_key}
     if store.endpoint:
         kw["endpoint_url"] = store.endpoint
-    if creds is not None:
-        kw["aws_access_key_id"] = creds.access_key_id
-        kw["aws_secret_access_key"] = creds.secret_access_key
-    return boto3.client("s3", **kw)
+    try:
+        # a session of its own: no shared credential chain, no ~/.aws of the operator
+        return boto3.session.Session(aws_access_key_id=creds.access_key_id,
+                                     aws_secret_access_key=creds.secret_access_key,
+                                     region_name=store.region).client("s3", **kw)
+    except (ValueError, BotoCoreError) as e:  # bad endpoint URL or region name
+        raise BucketError("InvalidEndpoint", "spec.adapterStore endpoint or region is "
+                          f"malformed ({type(e).__name__})") from None
 
 
 def _classify(err: Exception, store: AdapterStoreSpec, action: str) -> BucketError:
-    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+    from botocore.exceptions import (
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
 
     if isinstance(err, ClientError):
         code = str(err.response.get("Error", {}).get("Code", "Unknown"))
@@ -87,20 +176,31 @@ def _classify(err: Exception, store: AdapterStoreSpec, action: str) -> BucketErr
         return BucketError("BucketError", f"{action} bucket {store.bucket!r}: S3 error {code}")
     if isinstance(err, NoCredentialsError):
         return BucketError("NoCredentials", "no S3 credentials: set spec.adapterStore."
-                           "credentialsSecret or give the operator an ambient identity")
-    if isinstance(err, EndpointConnectionError):
+                           "credentialsSecret")
+    if isinstance(err, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError)):
         return BucketError("EndpointUnreachable", f"{action} bucket {store.bucket!r}: the S3 "
-                           "endpoint (spec.adapterStore.endpoint) is unreachable")
+                           "endpoint (spec.adapterStore.endpoint) is unreachable or did not "
+                           "answer in time")
     return BucketError("BucketError", f"{action} bucket {store.bucket!r}: {type(err).__name__}")
 
 
-def ensure_bucket(store: AdapterStoreSpec, creds: Credentials | None) -> bool:
+def _safe(store: AdapterStoreSpec, action: str, fn):
+    """Run `fn` and turn every S3 or transport failure into a BucketError."""
+    try:
+        return fn()
+    except BucketError:
+        raise
+    except (BotoCoreError, ClientError, OSError, ValueError) as err:
+        raise _classify(err, store, action) from None
+
+
+def ensure_bucket(store: AdapterStoreSpec, creds: Credentials) -> bool:
     """Make sure the bucket exists; True if this call created it."""
     s3 = client(store, creds)
     try:
         s3.head_bucket(Bucket=store.bucket)
         return False
-    except (BotoCoreError, ClientError) as err:
+    except (BotoCoreError, ClientError, OSError, ValueError) as err:
         missing = _classify(err, store, "checking")
         if missing.reason != "BucketNotFound" or not store.create_bucket:
             raise missing from None
@@ -110,33 +210,154 @@ def ensure_bucket(store: AdapterStoreSpec, creds: Credentials | None) -> bool:
             kw["CreateBucketConfiguration"] = {"LocationConstraint": store.region}
         s3.create_bucket(**kw)
         return True
-    except (BotoCoreError, ClientError) as err:
+    except (BotoCoreError, ClientError, OSError, ValueError) as err:
         code = getattr(err, "response", {}).get("Error", {}).get("Code")
         if code in ("BucketAlreadyOwnedByYou",):
             return False
         raise _classify(err, store, "creating") from None
 
 
-def run_prefix(store: AdapterStoreSpec, run_name: str) -> str:
-    prefix = store.prefix.strip("/")
-    return f"{prefix}/{run_name}/" if prefix else f"{run_name}/"
+@dataclass(frozen=True)
+class Owner:
+    """The run a folder belongs to, as written in its marker."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def marker(self) -> bytes:
+        return json.dumps({"namespace": self.namespace, "name": self.name, "uid": self.uid,
+                           "writer": "asyncgrpo-operator"}).encode()
 
 
-def delete_run_objects(store: AdapterStoreSpec, creds: Credentials | None, run_name: str) -> int:
-    """Delete every object under the run's prefix; returns how many. Idempotent."""
-    s3 = client(store, creds)
-    deleted = 0
+def _read_marker(s3, store: AdapterStoreSpec, key: str) -> str | None:
+    """The uid in the marker at `key`, None when there is none ("" when unreadable)."""
     try:
-        pages = s3.get_paginator("list_objects_v2").paginate(
-            Bucket=store.bucket, Prefix=run_prefix(store, run_name))
-        for page in pages:
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        body = s3.get_object(Bucket=store.bucket, Key=key)["Body"].read(4096)
+    except ClientError as err:
+        code = str(err.response.get("Error", {}).get("Code"))
+        if code in ("NoSuchKey", "404"):
+            return None
+        raise
+    try:
+        return str(json.loads(body).get("uid") or "")
+    except (ValueError, AttributeError):
+        return ""
+
+
+def _nested_markers(s3, store: AdapterStoreSpec, folder: str) -> list[str]:
+    """Folders strictly below `folder` that hold another run's marker."""
+    out = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket,
+                                                             Prefix=folder):
+        for o in page.get("Contents", []):
+            key = o["Key"]
+            if key.endswith("/" + layout.OWNER_MARKER) and key != folder + layout.OWNER_MARKER:
+                out.append(key[:-len(layout.OWNER_MARKER)])
+    return out
+
+
+def _enclosing_owner(s3, store: AdapterStoreSpec, folder: str) -> str | None:
+    """The nearest folder above `folder` that holds a run's marker, if any."""
+    for parent in reversed(layout.ancestors(folder)):
+        if _read_marker(s3, store, parent + layout.OWNER_MARKER) is not None:
+            return parent
+    return None
+
+
+def run_folder(store: AdapterStoreSpec, owner: Owner) -> str:
+    try:
+        return layout.run_folder(store.prefix, owner.namespace, owner.name)
+    except ValueError as e:
+        raise BucketError("InvalidPrefix", str(e)) from None
+
+
+def setup_run_folder(store: AdapterStoreSpec, creds: Credentials, owner: Owner) -> bool:
+    """Ensure the bucket and claim the run folder with the ownership marker.
+
+    Refused (BucketError) when the folder holds another run's marker, sits inside another
+    run's folder, or contains one. Idempotent for the same run. True if the bucket was created.
+    """
+    folder = run_folder(store, owner)
+    created = ensure_bucket(store, creds)
+    s3 = client(store, creds)
+
+    def claim() -> None:
+        found = _read_marker(s3, store, folder + layout.OWNER_MARKER)
+        if found is not None and found != owner.uid:
+            raise BucketError("FolderOwnedByAnotherRun", f"s3://{store.bucket}/{folder} "
+                              "belongs to another run (its ownership marker holds another "
+                              "uid); use another name or prefix, or remove that folder")
+        above = _enclosing_owner(s3, store, folder)
+        if above is not None:
+            raise BucketError("FolderInsideAnotherRun", f"s3://{store.bucket}/{folder} lies "
+                              f"inside another run's folder {above}: choose another prefix")
+        below = _nested_markers(s3, store, folder)
+        if below:
+            raise BucketError("FolderContainsAnotherRun", f"s3://{store.bucket}/{folder} "
+                              f"contains another run's folder {below[0]}: choose another "
+                              "prefix")
+        if found is None:
+            s3.put_object(Bucket=store.bucket, Key=folder + layout.OWNER_MARKER,
+                          Body=owner.marker(), ContentType="application/json")
+
+    _safe(store, "claiming the run folder in", claim)
+    return created
+
+
+def verify_run_folder(store: AdapterStoreSpec, creds: Credentials, owner: Owner) -> bool:
+    """The light periodic re-check: the bucket answers and the marker is still the run's."""
+    folder = run_folder(store, owner)
+    s3 = client(store, creds)
+
+    def check() -> bool:
+        s3.head_bucket(Bucket=store.bucket)
+        found = _read_marker(s3, store, folder + layout.OWNER_MARKER)
+        if found != owner.uid:
+            what = "gone" if found is None else "another run's"
+            raise BucketError("MarkerLost", f"the ownership marker of s3://{store.bucket}/"
+                              f"{folder} is {what}")
+        return False
+
+    return _safe(store, "checking", check)
+
+
+def cleanup_run_folder(store: AdapterStoreSpec, creds: Credentials, owner: Owner) -> int:
+    """Delete the run's own objects; returns how many. Idempotent.
+
+    Deletes nothing unless the folder's marker holds the run's uid and no folder above it is
+    another run's; skips everything under another run's marker; the marker goes last, so a
+    cleanup cut short can be finished by the same run.
+    """
+    folder = run_folder(store, owner)
+    s3 = client(store, creds)
+
+    def empty() -> int:
+        try:
+            found = _read_marker(s3, store, folder + layout.OWNER_MARKER)
+        except ClientError as err:
+            if _classify(err, store, "emptying").reason == "BucketNotFound":
+                return 0
+            raise
+        if found != owner.uid:
+            whose = "no" if found is None else "another run's"
+            raise BucketError("NotOwner", f"s3://{store.bucket}/{folder} has {whose} "
+                              "ownership marker: nothing deleted")
+        above = _enclosing_owner(s3, store, folder)
+        if above is not None:
+            raise BucketError("FolderInsideAnotherRun", f"s3://{store.bucket}/{folder} lies "
+                              f"inside another run's folder {above}: nothing deleted")
+        others = tuple(_nested_markers(s3, store, folder))
+        marker = folder + layout.OWNER_MARKER
+        deleted = 0
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket,
+                                                                 Prefix=folder):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])
+                    if o["Key"] != marker and not o["Key"].startswith(others)]
             if keys:
                 s3.delete_objects(Bucket=store.bucket, Delete={"Objects": keys, "Quiet": True})
                 deleted += len(keys)
-    except (BotoCoreError, ClientError) as err:
-        e = _classify(err, store, "emptying")
-        if e.reason == "BucketNotFound":
-            return deleted  # nothing left to delete
-        raise e from None
-    return deleted
+        s3.delete_object(Bucket=store.bucket, Key=marker)
+        return deleted + 1
+
+    return _safe(store, "emptying", empty)

@@ -55,6 +55,25 @@ def register(subparsers) -> None:
                    help="directory with tls.crt, tls.key and ca.crt")
     p.add_argument("--webhook-service", default=_env("WEBHOOK_SERVICE", ""),
                    help="namespace/name of the Service the API server calls the webhook by")
+    p.add_argument("--allowed-endpoints", default=_env("ALLOWED_ENDPOINTS", ""),
+                   help="comma list of S3 endpoint URLs or hosts runs may use (empty: any "
+                        "except link-local and metadata addresses)")
+    p.add_argument("--bucket-wait-seconds", type=float,
+                   default=float(_env("BUCKET_WAIT_SECONDS", "0.5") or 0.5),
+                   help="most a reconcile waits for a bucket call (they run on bucket "
+                        "workers); the rest is picked up by the next tick")
+    p.add_argument("--cleanup-timeout", type=float,
+                   default=float(_env("CLEANUP_TIMEOUT_SECONDS", "600") or 600),
+                   help="seconds a deleted run's bucket cleanup may take before it is given "
+                        "up with a Warning event")
+    for flag, default, what in (("sandboxes-per-run", 256, "sandbox pods of one run"),
+                                ("sandboxes-per-namespace", 512,
+                                 "sandbox pods of all runs of one namespace"),
+                                ("vllm-replicas", 64, "vLLM replicas of one run"),
+                                ("trainer-replicas", 64, "trainer replicas of one run")):
+        env = "CAP_" + flag.upper().replace("-", "_")
+        p.add_argument(f"--cap-{flag}", type=int, default=int(_env(env, str(default)) or default),
+                       help=f"most {what} [env {E}{env}]")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=run_operator)
 
@@ -75,7 +94,7 @@ def run_operator(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from asyncgrpo.controller import handlers
-    from asyncgrpo.controller.runtime import Runtime, Settings, WebhookSettings
+    from asyncgrpo.controller.runtime import Caps, Runtime, Settings, WebhookSettings
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1`: dump stacks
     watched = namespaces(args)
@@ -90,6 +109,14 @@ def run_operator(args: argparse.Namespace) -> int:
     if args.trainer_metrics_url:
         settings.trainer_metrics_url = args.trainer_metrics_url
     settings.peering_lifetime_seconds = args.peering_lifetime
+    settings.allowed_endpoints = [e.strip() for e in args.allowed_endpoints.split(",")
+                                  if e.strip()]
+    settings.cleanup_timeout_seconds = args.cleanup_timeout
+    settings.bucket_wait_seconds = args.bucket_wait_seconds
+    settings.caps = Caps(sandboxes_per_run=args.cap_sandboxes_per_run,
+                         sandboxes_per_namespace=args.cap_sandboxes_per_namespace,
+                         vllm_replicas=args.cap_vllm_replicas,
+                         trainer_replicas=args.cap_trainer_replicas)
     rt = Runtime(settings)
     if args.metrics_port:
         start_http_server(args.metrics_port, args.metrics_address, registry=rt.metrics.registry)

@@ -14,7 +14,12 @@ import json
 from typing import Any
 
 from asyncgrpo import API_GROUP, __version__
-from asyncgrpo.api.v1alpha1 import AsyncGRPORun, EnvVar, ResourceRequirements
+from asyncgrpo.api.v1alpha1 import (
+    TRAINER_RENDEZVOUS_PORT,
+    AsyncGRPORun,
+    EnvVar,
+    ResourceRequirements,
+)
 
 MANAGED_BY = "asyncgrpo-operator"
 RUN_LABEL = f"{API_GROUP}/run"
@@ -25,7 +30,7 @@ HASH_ANNOTATION = f"{API_GROUP}/spec-hash"
 VLLM_PORT = 8000
 GATEWAY_PORT = 8080
 SANDBOX_PORT = 8000
-RENDEZVOUS_PORT = 29500
+RENDEZVOUS_PORT = TRAINER_RENDEZVOUS_PORT
 
 CONFIG_MOUNT = "/etc/asyncgrpo"
 CONFIG_KEY = "run.yaml"
@@ -118,6 +123,7 @@ def bucket_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
         {"name": "ASYNCGRPO_ADAPTER_BUCKET", "value": store.bucket},
         {"name": "ASYNCGRPO_ADAPTER_RUN", "value": run.metadata.name},
         {"name": "ASYNCGRPO_ADAPTER_PREFIX", "value": store.prefix},
+        {"name": "ASYNCGRPO_ADAPTER_NAMESPACE", "value": run.metadata.namespace or "default"},
         {"name": "ASYNCGRPO_ADAPTER_REGION", "value": store.region},
         {"name": "AWS_DEFAULT_REGION", "value": store.region},
     ]

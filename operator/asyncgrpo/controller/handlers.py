@@ -16,9 +16,12 @@ operator's settings instead of import-time globals.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
+from concurrent.futures import wait
 from typing import Any
 
 import kopf
@@ -55,13 +58,28 @@ def runtime(memo: Any) -> Runtime:
     return memo.runtime
 
 
+class DigestDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's last-handled state as digests of the spec and metadata, not a copy of them.
+
+    kopf's default keeps the whole spec in an annotation: a run over 256 kB then gets a 422
+    on kopf's own patch and can never be deleted. The handlers only need to know *that* the
+    spec changed (they read the body itself), so a digest per stanza is enough; kopf's diff of
+    two digests names the stanza ("spec"), which is what `on.update(field="spec")` filters on.
+    """
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        essence = super().build(body=body, extra_fields=extra_fields)
+        return {k: {"sha256": hashlib.sha256(json.dumps(v, sort_keys=True).encode())
+                    .hexdigest()} for k, v in essence.items()}
+
+
 def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     """kopf's settings for one operator, fixed before it starts (peering reads them early)."""
     ks = kopf.OperatorSettings()
     # progress and the last-handled spec live in annotations of our group; status stays ours
     ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    ks.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=API_GROUP, key="last-handled-configuration")
+    ks.persistence.diffbase_storage = DigestDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-digest")
     ks.posting.level = logging.WARNING       # no event per routine timer tick
     ks.posting.reporting_component = MANAGED_BY
     ks.execution.max_workers = 16
@@ -184,26 +202,99 @@ def on_change(**kwargs: Any) -> None:
     _reconcile(**kwargs)
 
 
+#: Annotation a user sets on a run whose bucket cleanup cannot finish (an endpoint that is
+#: gone): the deletion completes at once, the objects stay, a Warning event says so.
+SKIP_CLEANUP = f"{API_GROUP}/skip-bucket-cleanup"
+
+
+def _deleting_for(body: kopf.Body) -> float:
+    from datetime import UTC, datetime
+
+    ts = body.metadata.get("deletionTimestamp")
+    try:
+        since = datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except (TypeError, ValueError):
+        return 0.0
+    return (datetime.now(UTC) - since).total_seconds()
+
+
 def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Apply deletionPolicy Delete to the run's own folder, without blocking a worker.
+
+    The cleanup runs on a bucket worker; this handler waits for it a moment and otherwise
+    asks kopf to call again (TemporaryError), so the finalizer stays until it finished, the
+    user set SKIP_CLEANUP, or `cleanup_timeout_seconds` passed. Every outcome is an event.
+    """
     rt = runtime(memo)
     key = (body.metadata.namespace, body.metadata.name)
     run, _errors = reconcile.validate_run(reconcile.run_document(dict(body)))
-    try:
-        if run is not None and run.spec.adapter_store.deletion_policy == "Delete":
+    if run is None:
+        if ((body.spec or {}).get("adapterStore") or {}).get("deletionPolicy") == "Delete":
+            kopf.event(body, type="Warning", reason="CleanupSkipped",
+                       message="bucket objects kept: the spec is not a valid run")
+        rt.forget(key)
+        return
+    if run.spec.adapter_store.deletion_policy != "Delete":
+        rt.forget(key)
+        return
+
+    def done(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message)
+        rt.forget(key)
+
+    if str(body.metadata.annotations.get(SKIP_CLEANUP, "")).lower() == "true":
+        return done("Warning", "CleanupSkipped", f"bucket objects kept: {SKIP_CLEANUP} is set")
+    if run.spec.adapter_store.credentials_secret is None:
+        return done("Warning", "CleanupSkipped", "bucket objects kept: without "
+                    "credentialsSecret the operator has no identity of the run to delete with")
+    state = rt.run(key)
+    if state.cleanup_job is None:
+        uid = str(body.metadata.get("uid") or "")
+
+        def task() -> int:
             creds = reconcile.read_credentials(rt, run)
-            n = bucket.delete_run_objects(run.spec.adapter_store, creds, run.metadata.name)
-            logger.info("deleted %d objects of %s from the bucket", n, run.metadata.name)
+            assert creds is not None
+            bucket.check_endpoint(run.spec.adapter_store, rt.settings.allowed_endpoints)
+            return bucket.cleanup_run_folder(run.spec.adapter_store, creds,
+                                             reconcile.owner_of(run, uid))
+
+        state.cleanup_job = rt.bucket_pool.submit(task)
+    job = state.cleanup_job
+    wait([job], timeout=rt.settings.bucket_wait_seconds)
+    waited = _deleting_for(body)
+    if not job.done():
+        if waited >= rt.settings.cleanup_timeout_seconds:
+            return done("Warning", "CleanupAbandoned", "bucket objects kept: the cleanup did "
+                        f"not finish in {rt.settings.cleanup_timeout_seconds:.0f} s")
+        raise kopf.TemporaryError("waiting for the bucket cleanup", delay=2)
+    state.cleanup_job = None
+    try:
+        n = job.result()
     except bucket.BucketError as e:
         if e.reason == "EndpointUnreachable":
-            raise kopf.TemporaryError(e.message, delay=15) from None
-        kopf.event(body, type="Warning", reason=e.reason,
-                   message=f"bucket objects kept: {e.message}")
-    rt.forget(key)
+            if waited < rt.settings.cleanup_timeout_seconds:
+                raise kopf.TemporaryError(e.message, delay=5) from None
+            return done("Warning", "CleanupAbandoned", "bucket objects kept: the cleanup did "
+                        f"not finish in {rt.settings.cleanup_timeout_seconds:.0f} s "
+                        f"({e.message})")
+        return done("Warning", e.reason, f"bucket objects kept: {e.message}")
+    except Exception as e:  # noqa: BLE001 - never a handler that raises forever
+        return done("Warning", "CleanupFailed", f"bucket objects kept: {type(e).__name__}")
+    logger.info("deleted %d objects of %s/%s from the bucket", n, *key)
+    done("Normal", "BucketCleaned", f"deleted {n} objects of the run's folder")
 
 
-def validate(body: kopf.Body, **_: Any) -> None:
-    """Admission: refuse a run `asyncgrpo validate` would refuse, with every field path."""
-    _run, errors = reconcile.validate_run(reconcile.run_document(dict(body)))
+def validate(body: kopf.Body, memo: kopf.Memo, old: kopf.Body | None = None,
+             **_: Any) -> None:
+    """Admission: refuse a run `asyncgrpo validate` would refuse, one over the operator's
+    caps, and an update of a field its checkpoints depend on; with every field path."""
+    fixed = None
+    if old is not None and old.get("spec"):
+        prev, prev_errors = reconcile.validate_run(reconcile.run_document(dict(old)))
+        fixed = (old.get("status") or {}).get("checkpointIdentity") or (
+            reconcile.checkpoint_identity(prev.spec) if prev is not None and not prev_errors
+            else None)
+    _run, errors, _reason = reconcile.check_run(runtime(memo), dict(body), fixed)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors[:20]), code=422)
 

@@ -15,6 +15,7 @@ import logging
 import socket
 import time
 import urllib.request
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -23,8 +24,14 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.api.validation import validate_run
+from asyncgrpo.api.validation import (
+    FieldError,
+    checkpoint_identity,
+    immutable_errors,
+    validate_run,
+)
 from asyncgrpo.controller import bucket, pool, progress, sandboxes, secret
+from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION
 from asyncgrpo.controller.observe import Child
@@ -86,9 +93,9 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     if state.finished is not None and old.get("phase") not in TERMINAL:
         # the body predates our own patch that finished the run: never un-finish it
         old.update(state.finished)
-    run, errors = validate_run(run_document(body))
+    run, errors, reason = check_run(rt, body, old.get("checkpointIdentity"))
     obs = Observation(generation=int(meta.get("generation") or 0), spec_errors=errors,
-                      children=children)
+                      spec_error_reason=reason, children=children)
     if run is None or errors:
         status, events = compute(None, obs, old, now_iso())
         state.last_status = (rv, {**old, **status})
@@ -97,7 +104,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     terminal = old.get("phase") in TERMINAL
     stopped = run.spec.suspend or terminal
 
-    _check_bucket(rt, state, run, obs)
+    _check_bucket(rt, state, run, obs, str(meta.get("uid") or ""))
     trainer_up = (w := _workload(children, "trainer")) is not None and w.replicas > 0
     deps_ready = _ready(children, "vllm") and (
         run.spec.sandboxes is None or _ready(children, "gateway"))
@@ -138,11 +145,26 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     obs.progress = state.progress
 
     status, events = compute(run.spec, obs, old, now_iso())
+    status["checkpointIdentity"] = old.get("checkpointIdentity") or checkpoint_identity(run.spec)
     merged = {**old, **status}
     state.last_status = (rv, merged)
     if merged.get("phase") in TERMINAL:
         state.finished = {"phase": merged["phase"], "completionTime": merged["completionTime"]}
     return Outcome(status, events, delete_run=_ttl_expired(run, merged))
+
+
+def check_run(rt: Runtime, body: dict[str, Any], fixed_identity: str | None = None
+              ) -> tuple[AsyncGRPORun | None, list[FieldError], str]:
+    """The run and why it cannot be applied: the model's rules (`asyncgrpo validate`), the
+    operator's caps, and the immutable checkpoint identity; with the condition reason."""
+    run, errors = validate_run(run_document(body))
+    if run is None or errors:
+        return run, errors, "InvalidSpec"
+    if fixed_identity and (errors := immutable_errors(fixed_identity, run.spec)):
+        return run, errors, "ImmutableFieldChanged"
+    if errors := cap_errors(run, rt.settings.caps):
+        return run, errors, "OverCap"
+    return run, [], ""
 
 
 def _merge_progress(old: progress.Progress | None,
@@ -168,6 +190,8 @@ def _ttl_expired(run: AsyncGRPORun, status: dict[str, Any]) -> bool:
 
 
 def read_credentials(rt: Runtime, run: AsyncGRPORun) -> bucket.Credentials | None:
+    """The run's own S3 credentials from its Secret; None without credentialsSecret (then the
+    operator does not touch the bucket: it never lends its own identity to a run)."""
     store = run.spec.adapter_store
     if store.credentials_secret is None:
         return None
@@ -175,27 +199,82 @@ def read_credentials(rt: Runtime, run: AsyncGRPORun) -> bucket.Credentials | Non
     return bucket.credentials_from_secret(found, store)
 
 
-def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation) -> None:
-    """Verified once per adapterStore spec; while it fails, retried with a growing backoff
-    (1 s doubling to BUCKET_RETRY_MAX_SECONDS), at once when the adapterStore spec changes."""
-    key = run.spec.adapter_store.model_dump_json()
+def owner_of(run: AsyncGRPORun, uid: str) -> bucket.Owner:
+    return bucket.Owner(run.metadata.namespace or "default", run.metadata.name, uid)
+
+
+#: BucketReady=Unknown for a run without credentialsSecret: nothing to check with.
+POD_IDENTITY = ("PodIdentity", ("no credentialsSecret: the run's pods use their "
+                                "ServiceAccount's identity; the operator never checks a "
+                                "bucket with its own"))
+
+
+def _bucket_task(rt: Runtime, run: AsyncGRPORun, uid: str, full: bool) -> bool | None:
+    """The S3 part of a check, run on a bucket worker: the endpoint policy, then the folder
+    setup (first check of a spec) or a light re-check (bucket head and marker). None: no
+    credentials, only the endpoint policy was checked."""
+    store = run.spec.adapter_store
+    bucket.check_endpoint(store, rt.settings.allowed_endpoints)
+    creds = read_credentials(rt, run)   # BucketError (SecretNotFound...) on a bad Secret
+    if creds is None:
+        return None
+    if full:
+        return bucket.setup_run_folder(store, creds, owner_of(run, uid))
+    return bucket.verify_run_folder(store, creds, owner_of(run, uid))
+
+
+def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation,
+                  uid: str) -> None:
+    """Set up the run folder once per adapterStore spec, re-check it every
+    `bucket_recheck_seconds`; while it fails, retry with a growing backoff (1 s doubling to
+    BUCKET_RETRY_MAX_SECONDS), at once when the adapterStore spec changes.
+
+    The S3 calls run on the runtime's bucket workers: this waits at most
+    `bucket_wait_seconds`, and only for the first check of a spec; otherwise it reports what
+    the last finished check found, so a silent endpoint never holds a handler thread.
+    """
+    key = run.spec.adapter_store.model_dump_json() + uid
     now = time.monotonic()
-    if state.bucket_ok_for != key and (state.bucket_failed_for != key
-                                       or now >= state.bucket_retry_at):
-        try:
-            created = bucket.ensure_bucket(run.spec.adapter_store, read_credentials(rt, run))
-            state.bucket_ok_for, state.bucket_error, state.bucket_failures = key, None, 0
-            if created:
-                log.info("created bucket %s for %s", run.spec.adapter_store.bucket,
-                         run.metadata.name)
-        except bucket.BucketError as e:
-            state.bucket_failures = state.bucket_failures + 1 \
-                if state.bucket_failed_for == key else 1
-            state.bucket_ok_for, state.bucket_error, state.bucket_failed_for = None, e, key
-            state.bucket_retry_at = now + min(2.0 ** (state.bucket_failures - 1),
-                                              BUCKET_RETRY_MAX_SECONDS)
-    obs.bucket_checked = True
-    obs.bucket_error = state.bucket_error
+    if state.bucket_job is None:
+        due = (state.bucket_ok_for != key and state.bucket_failed_for != key) or (
+            state.bucket_failed_for == key and now >= state.bucket_retry_at) or (
+            state.bucket_ok_for == key
+            and now - state.bucket_checked_at >= rt.settings.bucket_recheck_seconds)
+        if due:
+            full = state.bucket_ok_for != key
+            state.bucket_job = (key, rt.bucket_pool.submit(_bucket_task, rt, run, uid, full))
+    if state.bucket_job is not None:
+        job_key, job = state.bucket_job
+        if job_key not in (state.bucket_ok_for, state.bucket_failed_for):
+            # only a first check is waited for (a healthy run starts at once); re-checks
+            # and retries of a failing bucket are picked up by a later tick
+            wait([job], timeout=rt.settings.bucket_wait_seconds)
+        if job.done():
+            state.bucket_job = None
+            try:
+                result = job.result()
+                state.bucket_ok_for, state.bucket_failures = job_key, 0
+                state.bucket_error, state.bucket_failed_for = None, None
+                state.bucket_checked_at = time.monotonic()
+                state.bucket_pod_identity = result is None
+                if result is True:
+                    log.info("created bucket %s for %s", run.spec.adapter_store.bucket,
+                             run.metadata.name)
+            except Exception as e:  # noqa: BLE001 - every failure is reported, none escapes
+                if not isinstance(e, bucket.BucketError):
+                    log.warning("bucket check of %s failed: %r", run.metadata.name, e)
+                    e = bucket.BucketError("BucketError", f"checking the bucket failed "
+                                           f"({type(e).__name__})")
+                state.bucket_failures = state.bucket_failures + 1 \
+                    if state.bucket_failed_for == job_key else 1
+                state.bucket_ok_for, state.bucket_error = None, e
+                state.bucket_failed_for = job_key
+                state.bucket_retry_at = time.monotonic() + min(
+                    2.0 ** (state.bucket_failures - 1), BUCKET_RETRY_MAX_SECONDS)
+    obs.bucket_checked = key in (state.bucket_ok_for, state.bucket_failed_for)
+    obs.bucket_error = state.bucket_error if state.bucket_failed_for == key else None
+    if state.bucket_ok_for == key and state.bucket_pod_identity:
+        obs.bucket_note = POD_IDENTITY
 
 
 def _ensure_secret(rt: Runtime, state: RunState, run: AsyncGRPORun,
@@ -298,6 +377,15 @@ def _drain(rt: Runtime, state: RunState, ns: str, name: str, pod: str) -> bool:
         return False
 
 
+def _namespace_room(rt: Runtime, ns: str, name: str, live: int) -> int:
+    """Sandbox pods this run may still add under the per-namespace cap (other runs' counts
+    are what their last reconcile saw)."""
+    with rt._lock:
+        others = sum(st.sandbox_pods for (n, r), st in rt.runs.items()
+                     if n == ns and r != name)
+    return rt.settings.caps.sandboxes_per_namespace - others - live
+
+
 def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun,
                 children: list[Child], stopped: bool
                 ) -> tuple[dict[str, int], int, tuple[str, str] | None]:
@@ -331,6 +419,14 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         # a refused creation (missing RuntimeClass, quota): retry later, not every tick
         error, plan = state.pool_error[1], pool.Plan(0, plan.delete, plan.replace, plan.live,
                                                      plan.target)
+    live = sum(1 for p in pods if not p.deleting) + len(adds)
+    state.sandbox_pods = live
+    room = _namespace_room(rt, ns, name, live)
+    if plan.create > room:
+        caps = rt.settings.caps
+        error = ("NamespaceSandboxCap", (f"the namespace holds the operator's cap of "
+                 f"{caps.sandboxes_per_namespace} sandbox pods (all runs together)"))
+        plan = pool.Plan(max(room, 0), plan.delete, plan.replace, plan.live, plan.target)
     for _ in range(plan.create):
         body = sandboxes.build_pod(run, sandboxes.random_suffix())
         kopf.adopt(body, owner=owner)
@@ -346,7 +442,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
             error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
             state.pool_error = (time.monotonic() + POOL_RETRY_SECONDS, error, current)
             break
-    if created:
+    if created and error is None:
         state.pool_error = None
     # unhealthy (or suspended) pods go now; idle ones only once the gateway drained them
     deleted = list(plan.replace) + [p for p in plan.delete if _drain(rt, state, ns, name, p)]

@@ -7,6 +7,7 @@ handler runs.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,20 @@ class WebhookSettings:
     #: empty: the API server calls https://<host>:<port> directly (out-of-cluster, tests).
     service: str | None = None
     host: str | None = None
+
+
+@dataclass
+class Caps:
+    """Operator-wide limits on what one run (or one namespace) may ask for."""
+
+    #: Most sandbox pods of one run (spec.sandboxes.hardCap may not exceed it).
+    sandboxes_per_run: int = 256
+    #: Most sandbox pods of all runs of one namespace together.
+    sandboxes_per_namespace: int = 512
+    #: Most vLLM replicas of one run.
+    vllm_replicas: int = 64
+    #: Most trainer replicas (nodes) of one run.
+    trainer_replicas: int = 64
 
 
 @dataclass
@@ -59,6 +74,22 @@ class Settings:
     kubeconfig: str | None = None
     #: Test hook: delay every pod event this long before the operator sees it.
     pod_watch_delay_seconds: float = 0.0
+    #: S3 endpoints (URLs or host names) runs may use; empty: any host except link-local and
+    #: metadata addresses (Helm value adapterStore.allowedEndpoints).
+    allowed_endpoints: list[str] = field(default_factory=list)
+    #: Threads for bucket setup and cleanup, off the handler path: a silent endpoint holds
+    #: one of these for a few seconds, never a kopf worker.
+    bucket_workers: int = 8
+    #: Most a handler waits for a bucket call before leaving it to the next tick.
+    bucket_wait_seconds: float = 0.5
+    #: Seconds between re-checks of a bucket that was fine (a deleted Secret, a revoked key).
+    bucket_recheck_seconds: float = 60.0
+    #: A deleted run's bucket cleanup gives up after this long (Warning event CleanupAbandoned);
+    #: the annotation asyncgrpo.dev/skip-bucket-cleanup: "true" gives up at once.
+    cleanup_timeout_seconds: float = 600.0
+    #: Operator-wide limits a run may not exceed (Helm values caps.*): checked by validation
+    #: (webhook and reconcile, reported as InvalidSpec), and the pool never creates past them.
+    caps: Caps = field(default_factory=Caps)
 
 
 @dataclass
@@ -69,10 +100,15 @@ class RunState:
     bucket_failed_for: str | None = None   # adapterStore spec of the last failed check
     bucket_failures: int = 0
     bucket_retry_at: float = 0.0
+    bucket_checked_at: float = 0.0         # when the last check succeeded (monotonic)
+    bucket_pod_identity: bool = False      # the last check had no credentials to use
+    bucket_job: tuple[str, Future] | None = None   # (key, check in flight)
+    cleanup_job: Future | None = None
     secret_ready: bool = False
     gateway_token: str | None = None
     excess_since: float | None = None
     spawned_total: int = 0
+    sandbox_pods: int = 0                  # live sandbox pods at the last reconcile
     finished: dict[str, str] | None = None   # terminal phase and completionTime, once reached
     last_status: tuple[str | None, dict[str, Any]] | None = None   # (body rv, status computed)
     #: a refused sandbox creation: (retry after, (reason, message), pod template hash)
@@ -90,6 +126,15 @@ class Runtime:
     expectations: Expectations = field(default_factory=Expectations)
     runs: dict[tuple[str, str], RunState] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _bucket_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def bucket_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._bucket_pool is None:
+                self._bucket_pool = ThreadPoolExecutor(self.settings.bucket_workers,
+                                                       thread_name_prefix="asyncgrpo-bucket")
+            return self._bucket_pool
 
     def run(self, key: tuple[str, str]) -> RunState:
         with self._lock:

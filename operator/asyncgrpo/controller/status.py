@@ -33,8 +33,12 @@ CONDITION_TYPES = ("BucketReady", "RolloutReady", "SandboxesReady", "TrainerRead
 class Observation:
     generation: int
     spec_errors: list[FieldError] = field(default_factory=list)
+    #: InvalidSpec, ImmutableFieldChanged or OverCap: why the spec is not applied
+    spec_error_reason: str = "InvalidSpec"
     bucket_error: BucketError | None = None
     bucket_checked: bool = False
+    #: (reason, message) when the bucket is deliberately not checked (BucketReady Unknown)
+    bucket_note: tuple[str, str] | None = None
     children: list[Child] = field(default_factory=list)
     sandboxes: dict[str, int] = field(default_factory=dict)
     progress: Progress | None = None
@@ -104,11 +108,18 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
     degraded: tuple[str, str] | None = None
     status: dict[str, Any] = {"observedGeneration": obs.generation}
 
+    kept: list[dict[str, Any]] = []
     if obs.spec_errors or spec is None:
         msg = "; ".join(str(e) for e in obs.spec_errors[:10])
-        conds.append(_cond("Progressing", False, "InvalidSpec", msg))
-        conds.append(_cond("Degraded", True, "InvalidSpec", msg))
+        reason = obs.spec_error_reason
+        conds.append(_cond("Progressing", False, reason, f"{msg}; the workloads keep the "
+                           "last spec the operator applied"))
+        conds.append(_cond("Degraded", True, reason, msg))
         phase = old_phase
+        # the workloads still run the last valid spec: what was observed of them stays true
+        # (with the generation it was observed for)
+        kept = [c for c in old.get("conditions") or []
+                if c.get("type") not in ("Progressing", "Degraded")]
     else:
         outcome = None if old_phase in TERMINAL else _trainer_outcome(
             obs.children, obs.progress, spec)
@@ -116,8 +127,21 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
         stopped = ("Suspended" if spec.suspend and terminal is None else
                    ("Finished" if terminal else None))
 
-        if not obs.bucket_checked:
+        prev_bucket = next((c for c in old.get("conditions") or []
+                            if c.get("type") == "BucketReady"), None)
+        bucket_pending = not obs.bucket_checked
+        if not obs.bucket_checked and prev_bucket is not None \
+                and prev_bucket.get("observedGeneration") == obs.generation:
+            # a check is in flight (an operator restart): what the last one found still
+            # stands, so a restart neither flips the condition nor holds the run
+            ok = {"True": True, "False": False}.get(prev_bucket.get("status"))
+            conds.append(_cond("BucketReady", ok, prev_bucket.get("reason", ""),
+                               prev_bucket.get("message", "")))
+            bucket_pending = ok is not True
+        elif not obs.bucket_checked:
             conds.append(_cond("BucketReady", None, "Checking", "bucket not checked yet"))
+        elif obs.bucket_note is not None:
+            conds.append(_cond("BucketReady", None, *obs.bucket_note))
         elif obs.bucket_error is not None:
             conds.append(_cond("BucketReady", False, obs.bucket_error.reason,
                                obs.bucket_error.message))
@@ -152,7 +176,7 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
             phase = terminal
         elif spec.suspend:
             phase = SUSPENDED
-        elif obs.bucket_error is not None or not obs.bucket_checked:
+        elif obs.bucket_error is not None or bucket_pending:
             phase = PENDING
         elif trainer["status"] == "True":
             phase = RUNNING
@@ -169,8 +193,8 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
                      else _cond("Degraded", False, "AsExpected", "no problem found"))
 
     status["phase"] = phase
-    status["conditions"] = _merge_conditions(old.get("conditions") or [], conds,
-                                             obs.generation, now)
+    status["conditions"] = kept + _merge_conditions(old.get("conditions") or [], conds,
+                                                    obs.generation, now)
     p = obs.progress
     if p is not None:
         if p.step is not None:
@@ -198,6 +222,8 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
         return _cond("SandboxesReady", False, stopped, f"sandbox pool emptied ({stopped.lower()})")
     counts = obs.sandboxes
     if obs.pool_error is not None:
+        if obs.pool_error[0] == "NamespaceSandboxCap":
+            return _cond("SandboxesReady", False, *obs.pool_error)
         return _cond("SandboxesReady", False, "SandboxCreateFailed",
                      f"cannot create sandbox pods: {obs.pool_error[1]}")
     unschedulable = [c for c in obs.children if c.kind == "Pod" and c.component == "sandbox"

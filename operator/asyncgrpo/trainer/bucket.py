@@ -96,7 +96,7 @@ def s3_client(endpoint: str | None, region: str | None):
 
 
 class Bucket:
-    """Keys of one run: `<prefix>/<run>/...`, with retries."""
+    """Keys under one root (the run folder, `asyncgrpo.api.layout.run_folder`), with retries."""
 
     def __init__(self, bucket: str, root: str, client: Any, *, attempts: int = 8,
                  backoff_s: float = 1.0, on_retry: Callable[[str, BaseException], None] | None = None):

@@ -1,4 +1,5 @@
-"""Checkpoints in the bucket: `<prefix>/<run>/checkpoints/step-00000012/...`, COMPLETE last.
+"""Checkpoints in the bucket: `<run folder>/checkpoints/step-00000012/...` (the run folder
+is `asyncgrpo.api.layout.run_folder`: `<prefix>/<namespace>/<run>/`), COMPLETE last.
 
 The local checkpoint is the Hugging Face Trainer's own directory (adapter or weights,
 optimizer, scheduler, RNG states, trainer_state.json with the step, and TRL's

@@ -96,20 +96,23 @@ def lora_config(spec):
 
 def _bucket_parts(run, env: RuntimeEnv, metrics):
     from asyncgrpo.adapters.store import AdapterStore
+    from asyncgrpo.api.layout import run_folder
     from asyncgrpo.trainer.bucket import Bucket, s3_client
     from asyncgrpo.trainer.checkpoint import CheckpointStore
 
     s = run.spec.adapter_store
     endpoint = env.s3_endpoint or s.endpoint
     run_name = env.run_name or run.metadata.name
-    store = AdapterStore(s.bucket, run=run_name, prefix=s.prefix, endpoint_url=endpoint,
-                         region=s.region, attempts=3, backoff_s=env.retry_backoff_s)
+    namespace = run.metadata.namespace
+    store = AdapterStore(s.bucket, run=run_name, prefix=s.prefix, namespace=namespace,
+                         endpoint_url=endpoint, region=s.region, attempts=3,
+                         backoff_s=env.retry_backoff_s)
 
     def on_retry(_what, _err):
         if metrics is not None:
             metrics.inc("retries_total", target="s3")
 
-    bucket = Bucket(s.bucket, "/".join(p for p in (s.prefix.strip("/"), run_name) if p),
+    bucket = Bucket(s.bucket, run_folder(s.prefix, namespace, run_name),
                     s3_client(endpoint, s.region), attempts=env.retry_attempts,
                     backoff_s=env.retry_backoff_s, on_retry=on_retry)
     data_bucket = Bucket(s.bucket, "", bucket.client, attempts=env.retry_attempts,
@@ -121,7 +124,8 @@ def _weight_store(store):
     """The run's weights folder, beside its adapters (same bucket, client and run folder)."""
     from asyncgrpo.weights.store import WeightStore
 
-    return WeightStore(store.bucket, run=store.run, prefix=store.prefix, client=store.client,
+    return WeightStore(store.bucket, run=store.run, prefix=store.prefix,
+                       namespace=store.namespace, client=store.client,
                        attempts=store.attempts, backoff_s=store.backoff_s)
 
 

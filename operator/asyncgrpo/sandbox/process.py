@@ -26,11 +26,16 @@ import os
 import resource
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _READ_CHUNK = 64 * 1024
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+class Revoked(Exception):
+    """The call's lease ended before the call could start."""
 
 
 @dataclass(frozen=True)
@@ -300,10 +305,21 @@ class Runner:
         async with self._spawn_lock:
             return reap_orphans(frozenset(self.live))
 
-    async def sweep(self) -> int:
-        """Kill every process any command left behind (used by reset)."""
+    async def sweep(self, wait_seconds: float = 10.0) -> int:
+        """Kill every process any command left behind, and wait until they are dead (reset).
+
+        Holds the spawn lock throughout, so no command starts while the sweep runs; a
+        command admitted before it is one of the processes killed. "Dead" means no live
+        (non-zombie) descendant is left: a process killed mid-write finishes that one
+        system call before it dies, so the workspace is wiped only after this returns.
+        """
         async with self._spawn_lock:
-            return kill_all_descendants(frozenset(self.live))
+            killed = kill_all_descendants(frozenset(self.live))
+            deadline = time.monotonic() + wait_seconds
+            while descendants(os.getpid()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+                killed += kill_all_descendants(frozenset(self.live))
+            return killed
 
     async def run(
         self,
@@ -314,11 +330,19 @@ class Runner:
         stdin: bytes | None,
         timeout: float,
         max_output_bytes: int,
+        admit: Callable[[], bool] = lambda: True,
     ) -> ExecResult:
+        """Run `argv`; `admit()` is asked under the spawn lock, right before the fork.
+
+        The sandbox passes "is this call's lease still the current one": a call that waited
+        for a slot while its lease was revoked and the sandbox reset never starts (`Revoked`).
+        """
         started = time.monotonic()
         lim = self.limits
         loop = asyncio.get_running_loop()
         async with self._spawn_lock:
+            if not admit():
+                raise Revoked("the lease this call was made under has ended")
             transport, protocol = await loop.subprocess_exec(
                 lambda: _ExitAwareProtocol(loop),
                 *argv,

@@ -12,7 +12,14 @@ import threading
 import httpx
 import pytest
 
-from tests.sandbox.conftest import GW_TOKEN, gw_client, holder, start_gateway, start_sandbox, wait_until
+from tests.sandbox.conftest import (
+    GW_TOKEN,
+    gw_client,
+    holder,
+    start_gateway,
+    start_sandbox,
+    wait_until,
+)
 
 
 def demand(gw) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.sandbox.conftest import gw_client, holder, start_gateway
+from tests.sandbox.conftest import gw_client, holder, start_gateway, start_sandbox
 from tests.sandbox.test_gateway import all_warm
 
 
@@ -168,3 +168,29 @@ def test_concurrent_clients_after_errors_keep_their_connections(client):
     for t in threads:
         t.join(120)
     assert errors == []
+
+
+def test_commands_memory_together_is_bounded_by_a_cgroup(tmp_path):
+    from tests.sandbox.conftest import lease_client, reset
+
+    sb = start_sandbox(tmp_path, "cg", "--cgroup-memory-bytes", str(256 << 20), "--cgroup-pids", "64")
+    try:
+        cgroup = httpx.get(f"{sb.url}/healthz").json()["cgroup"]
+        if cgroup is None:
+            pytest.skip("this machine lets the server create no memory/pids cgroup (see docs/sandboxes.md)")
+        reset(sb)
+        with lease_client(sb) as c:
+            # three processes of 150 MB each: each under any per-process cap, 450 MB together
+            hog = ("python3 -c 'import time; b = bytearray(150 << 20); b[::4096] = b\"x\" * len(b[::4096]); "
+                   "time.sleep(3)' & ")
+            r = c.post("/v1/exec", json={"command": hog * 3 + "wait; echo done", "timeout_seconds": 60}).json()
+            assert r["stdout"] == "done\n"
+            assert "Killed" in r["stderr"] or "MemoryError" in r["stderr"], r["stderr"]
+            bomb = c.post("/v1/exec", json={"command": "for i in $(seq 200); do sleep 30 & done; wait",
+                                            "timeout_seconds": 5}).json()
+            assert "Resource temporarily unavailable" in bomb["stderr"]  # pids.max, not RLIMIT_NPROC (512)
+            reset(sb)
+            still_serves(c)
+    finally:
+        sb.stop()
+    assert not os.path.exists(cgroup["memory_cgroup"])  # removed when the server ends

@@ -53,6 +53,11 @@ def register(subparsers) -> None:
     _add(serve, "--max-procs", E + "MAX_PROCS", 512, int, help_="RLIMIT_NPROC of commands (fork bombs)")
     _add(serve, "--max-file-bytes", E + "MAX_FILE_BYTES", 1 << 30, int, help_="RLIMIT_FSIZE of commands")
     _add(serve, "--max-memory-bytes", E + "MAX_MEMORY_BYTES", 0, int, help_="RLIMIT_AS of commands; 0: none")
+    _add(serve, "--cgroup-memory-bytes", E + "CGROUP_MEMORY_BYTES", 2 << 30, int,
+         help_="memory of all commands together, in a cgroup the server creates where it can "
+               "(root, writable cgroup fs); else the pod's limit bounds them; 0: no cgroup")
+    _add(serve, "--cgroup-pids", E + "CGROUP_PIDS", 1024, int,
+         help_="processes and threads of all commands together, in that cgroup")
     _add(serve, "--max-output-bytes", E + "MAX_OUTPUT_BYTES", 1 << 20, int, help_="output kept per stream")
     _add(serve, "--max-timeout-seconds", E + "MAX_TIMEOUT_SECONDS", 600.0, float)
     _add(serve, "--default-timeout-seconds", E + "DEFAULT_TIMEOUT_SECONDS", 60.0, float)
@@ -137,10 +142,14 @@ def serve_sandbox(args: argparse.Namespace) -> int:
     limits = inherit_limits(limits)
     hardening = harden_server_process()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    from asyncgrpo.sandbox.cgroup import CommandCgroup
+
+    cgroup = CommandCgroup.create(args.cgroup_memory_bytes, args.cgroup_pids) if as_root else None
     logging.getLogger("asyncgrpo.sandbox").info(
-        "sandbox server on %s:%s workspace=%s commands as %s hardening=%s",
+        "sandbox server on %s:%s workspace=%s commands as %s hardening=%s cgroup=%s",
         args.host, args.port, args.workspace,
         f"uid {limits.uid}" if as_root else "the server's uid", hardening,
+        cgroup.describe() if cgroup else "none (the pod's limits bound commands)",
     )
     settings = ServerSettings(
         workspace=args.workspace,
@@ -154,6 +163,7 @@ def serve_sandbox(args: argparse.Namespace) -> int:
         max_concurrent_execs=args.max_concurrent_execs,
         shell=args.shell,
         limits=limits,
+        cgroup=cgroup,
     )
     return _uvicorn_run(create_app(settings), args.host, args.port)
 

@@ -20,6 +20,7 @@ memory in this process, and leave nothing behind:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -28,6 +29,10 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncgrpo.sandbox.cgroup import CommandCgroup
 
 _READ_CHUNK = 64 * 1024
 _PR_SET_DUMPABLE = 4
@@ -296,6 +301,7 @@ class Runner:
     """Starts commands under `limits` and remembers which pids are its own direct children."""
 
     limits: CommandLimits
+    cgroup: CommandCgroup | None = None  # commands are born inside it (memory, pids of all together)
     live: set[int] = field(default_factory=set)
     # held from fork until the pid is in `live`, so the orphan reaper never mistakes a
     # just-spawned child of ours (not yet tracked) for an orphan and steals its exit status
@@ -343,21 +349,8 @@ class Runner:
         async with self._spawn_lock:
             if not admit():
                 raise Revoked("the lease this call was made under has ended")
-            transport, protocol = await loop.subprocess_exec(
-                lambda: _ExitAwareProtocol(loop),
-                *argv,
-                cwd=cwd,
-                env=env,
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                close_fds=True,
-                user=lim.uid,
-                group=lim.gid,
-                extra_groups=[] if lim.uid is not None else None,
-                preexec_fn=None if lim.inherited and not lim.max_memory_bytes else (lambda: _child_setup(lim)),
-            )
+            with self.cgroup.spawning() if self.cgroup else contextlib.nullcontext():
+                transport, protocol = await _spawn(loop, argv, cwd, env, stdin, lim)
             proc = asyncio.subprocess.Process(transport, protocol, loop)
             self.live.add(proc.pid)
         out, err = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
@@ -409,6 +402,24 @@ class Runner:
             duration_seconds=time.monotonic() - started,
             killed_processes=killed,
         )
+
+
+async def _spawn(loop, argv, cwd, env, stdin, lim: CommandLimits):
+    return await loop.subprocess_exec(
+        lambda: _ExitAwareProtocol(loop),
+        *argv,
+        cwd=cwd,
+        env=env,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        close_fds=True,
+        user=lim.uid,
+        group=lim.gid,
+        extra_groups=[] if lim.uid is not None else None,
+        preexec_fn=None if lim.inherited and not lim.max_memory_bytes else (lambda: _child_setup(lim)),
+    )
 
 
 class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):

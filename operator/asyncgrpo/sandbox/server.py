@@ -35,6 +35,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from asyncgrpo.sandbox.cgroup import CommandCgroup
 from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, grant_of, parse_body
 from asyncgrpo.sandbox.metrics import SandboxMetrics
 from asyncgrpo.sandbox.process import CommandLimits, Revoked, Runner, use_pidfd_child_watcher
@@ -60,6 +61,7 @@ class ServerSettings:
     command_path: str = DEFAULT_COMMAND_PATH
     shell: str = "/bin/bash"
     limits: CommandLimits = field(default_factory=CommandLimits)
+    cgroup: CommandCgroup | None = None  # memory and pids of all commands together, where possible
 
 
 class _Strict(BaseModel):
@@ -213,7 +215,7 @@ def _revoked() -> HTTPException:
 def create_app(settings: ServerSettings) -> FastAPI:
     limits = settings.limits
     workspace = Workspace(settings.workspace, settings.template, uid=limits.uid, gid=limits.gid)
-    runner = Runner(limits)
+    runner = Runner(limits, cgroup=settings.cgroup)
     metrics = SandboxMetrics()
     slots = asyncio.Semaphore(settings.max_concurrent_execs)
     started = time.monotonic()
@@ -234,6 +236,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         finally:
             task.cancel()
             await runner.sweep()
+            if settings.cgroup is not None:
+                settings.cgroup.remove()
 
     app = FastAPI(title="asyncgrpo sandbox", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -386,6 +390,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             "status": "ok" if ok else "unhealthy",
             "execs_in_flight": int(metrics.in_flight._value.get()),
             "leased": gate.leased,
+            "cgroup": settings.cgroup.describe() if settings.cgroup else None,
             "uptime_seconds": round(time.monotonic() - started, 3),
         }
         if not ok:

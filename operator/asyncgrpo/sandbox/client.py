@@ -145,7 +145,11 @@ class GatewayClient:
 
     def heartbeat(self, lease: Lease | str) -> dict:
         lease = self._lease_of(lease)
-        return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/heartbeat", headers=lease.auth))
+        try:
+            return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/heartbeat", headers=lease.auth))
+        except LeaseLost:
+            self._forget(lease)
+            raise
 
     def release(self, lease: Lease | str, all_holders: bool = False) -> dict:
         lease = self._lease_of(lease)
@@ -162,6 +166,13 @@ class GatewayClient:
 
     def _data(self, lease: Lease | str, route: str, body: dict, timeout: httpx.Timeout | None = None) -> dict:
         lease = self._lease_of(lease)
+        try:
+            return self._call(lease, route, body, timeout)
+        except LeaseLost:
+            self._forget(lease)
+            raise
+
+    def _call(self, lease: Lease, route: str, body: dict, timeout: httpx.Timeout | None) -> dict:
         if lease.sandbox_url is None:  # proxied data path
             return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/{route}", json=body,
                                               headers=lease.auth, timeout=timeout or httpx.USE_CLIENT_DEFAULT))
@@ -242,6 +253,25 @@ class AsyncSandboxClient:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+_SHARED: dict[str, GatewayClient] = {}  # by gateway URL and token
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_client(url: str | None = None) -> GatewayClient:
+    """One client per gateway URL in this process (its connections and its heartbeat thread).
+
+    With the direct data path the gateway sees no calls, only heartbeats: whoever holds a
+    lease through a long exec must heartbeat it (`Heartbeats`), or it expires after the TTL.
+    """
+    url = url or os.environ.get(GATEWAY_URL_ENV, "")
+    token = os.environ.get(GATEWAY_TOKEN_ENV, "")
+    with _SHARED_LOCK:
+        key = f"{url}\0{token}"
+        if key not in _SHARED:
+            _SHARED[key] = GatewayClient(url, token)
+        return _SHARED[key]
 
 
 class Heartbeats:

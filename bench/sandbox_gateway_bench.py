@@ -130,6 +130,36 @@ async def run_lease_ops(gw: str, clients: int, seconds: float) -> int:
     return ops
 
 
+def asgi_heartbeat_cost(n: int = 5000) -> float:
+    """CPU seconds per heartbeat through the gateway's ASGI app alone (no HTTP server, no socket):
+    the gateway's own share of a lease operation."""
+    from asyncgrpo.sandbox.gateway import GatewaySettings, create_gateway
+    from asyncgrpo.sandbox.members import StaticMembers
+    from asyncgrpo.sandbox.pool import BUSY, Lease, Member
+
+    app = create_gateway(GatewaySettings(token="t", sandbox_token="s"), StaticMembers([]))
+    pool = app.app.state.pool
+    pool.members["m"] = Member("m", "http://127.0.0.1:1", state=BUSY, lease_id="L")
+    pool.leases["L"] = Lease("L", "g", "m", time.monotonic(), time.monotonic(), secret="bench-secret")
+    scope = {"type": "http", "method": "POST", "path": "/v1/leases/L/heartbeat", "raw_path": b"/v1/leases/L/heartbeat",
+             "query_string": b"", "headers": [(b"authorization", b"Bearer bench-secret")], "http_version": "1.1",
+             "scheme": "http", "server": ("x", 1), "client": ("y", 2), "root_path": "", "asgi": {"version": "3.0"}}
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(_message):
+        pass
+
+    async def loop() -> float:
+        t0 = time.process_time()
+        for _ in range(n):
+            await app(dict(scope), receive, send)
+        return (time.process_time() - t0) / n
+
+    return asyncio.run(loop())
+
+
 class Servers:
     def __init__(self, base: Path, env: dict):
         self.base, self.env, self.procs = base, env, []
@@ -241,6 +271,9 @@ def main() -> int:
         wall, gw_cpu = time.perf_counter() - t0, cpu([gw_pid]) - c0
         print(f"\nlease operations (join, heartbeat, release; {most} clients): {ops / wall:.0f}/s wall, "
               f"gateway CPU {gw_cpu / ops * 1e3:.3f} ms/op -> {ops / max(gw_cpu, 1e-9):.0f} ops per gateway CPU second")
+        per_op = asgi_heartbeat_cost()
+        print(f"the gateway's ASGI app alone (no HTTP server): {per_op * 1e6:.0f} us CPU per heartbeat -> "
+              f"{1 / per_op:.0f} per CPU second")
         d = httpx.get(f"{gw}/v1/demand").json()
         ok = failed_total == 0 and d["leases_active"] == 0 and d["idle"] == most
         print(f"after: {d['leases_active']} leases active, {d['idle']} of {most} sandboxes idle, "

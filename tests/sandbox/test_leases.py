@@ -136,6 +136,9 @@ def test_a_lease_id_is_useless_to_another_group(pool_of_three):
         # secret never opens it
         r = httpx.post(f"{victim_sb.url}/v1/reset", headers={"authorization": f"Bearer {victim['secret']}"})
         assert r.status_code == 401
+        # an id the gateway never granted (say, before it restarted): told so, to lease again
+        never = holder(gw, victim).post("/v1/leases/no-such-lease/exec", json={"command": "true"})
+        assert never.status_code == 404 and never.json()["error"] == "lease_unknown"
         mine = holder(gw, victim).post(f"/v1/leases/{vid}/files/read", json={"path": "answer.txt"}).json()
         assert mine["content"] == "42"
         assert demand(gw)["leases_active"] == 2

@@ -274,12 +274,15 @@ class Pool:
 
     def check(self, lease_id: str, presented: str | None) -> str:
         """'ok' if `presented` is this live lease's secret, the end reason if it was the secret
-        of an ended lease, else 'refused' (a wrong secret, or a lease id alone)."""
+        of an ended lease, 'unknown' for an id this gateway never granted (it restarted: the
+        caller should lease again), else 'refused' (a wrong secret, or a lease id alone)."""
         lease = self.leases.get(lease_id)
         if lease is not None:
             return "ok" if lease.opens(presented) else "refused"
-        how, known = self.ended.get(lease_id, ("unknown", b""))
-        if presented and known and hmac.compare_digest(digest(presented), known):
+        if lease_id not in self.ended:
+            return "unknown"
+        how, known = self.ended[lease_id]
+        if presented and hmac.compare_digest(digest(presented), known):
             return how
         return "refused"
 

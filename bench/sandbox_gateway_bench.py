@@ -1,22 +1,21 @@
-"""Sandbox gateway benchmark: G concurrent groups x N execs over S sandbox servers.
+"""Sandbox data paths side by side: direct, lease + direct, proxied; 1 and 16 clients.
 
-Starts S real sandbox servers and one gateway on loopback (the `asyncgrpo` CLI), then runs
-the same workload three ways and prints one table:
+Starts real sandbox servers and one gateway on loopback (the `asyncgrpo` CLI) and runs, for
+each client count C, C concurrent clients each doing rounds of `--execs` trivial execs:
 
-- gateway:          each group leases a sandbox, runs its N execs through the gateway,
-                    releases (the gateway resets the sandbox); S groups run at a time.
-- direct exclusive: the same exclusivity without the gateway: S workers each own one
-                    server and take groups from a queue; exec then reset, straight to it.
-- direct shared:    no exclusivity at all: every group at once, group i on server i % S
-                    (what you would get without leases; not safe for real rollouts).
+- direct:          no gateway at all: each client owns one sandbox server (the bench installs
+                   a lease secret on it with a reset) and sends its execs straight there;
+- lease + direct:  each client leases a sandbox from the gateway per group, sends the group's
+                   execs straight to the address the lease gave, releases (the gateway
+                   resets the sandbox): the default data path;
+- proxied:         the same, but the execs go through the gateway (`data_path=proxied`).
 
-Per-exec latency is measured at the client; the gateway's overhead is its p50/p99 minus
-those of "direct exclusive". The modes run in interleaved rounds, and the CPU time of the
-gateway and sandbox processes (from /proc) is reported per exec: on a shared machine wall
-times drift with other load, CPU per exec does not. Afterwards the gateway must show zero
-active leases, zero expired or broken ones, every group served, every sandbox warm again.
+Per-exec latency is measured at the client (p50, p99); CPU per exec of the gateway and of
+the sandbox servers comes from /proc. The modes run interleaved, round after round, so load
+that drifts on a shared machine hits all of them alike. Last, the gateway's own rate for
+lease operations (join, heartbeat, release of one holder: no sandbox call) per CPU second.
 
-    .venv/bin/python bench/sandbox_gateway_bench.py --groups 64 --execs 20 --sandboxes 8 --rounds 3
+    .venv/bin/python bench/sandbox_gateway_bench.py --execs 20 --groups 10 --rounds 3
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -39,6 +37,8 @@ from asyncgrpo.testing.net import free_port, wait_for_port
 
 TOKEN = "bench-sandbox-token"
 GW_TOKEN = "bench-gateway-token"
+SECRET = "bench-direct-lease-secret-0123456789"
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -46,198 +46,241 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-async def run_gateway(url: str, groups: int, execs: int, command: str) -> dict:
+def cpu(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rfind(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / TICK
+
+
+def auth(secret: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {secret}"}
+
+
+async def execs(c: httpx.AsyncClient, url: str, secret: str, n: int, command: str, lat: list[float]) -> int:
+    failed = 0
+    for _ in range(n):
+        t = time.perf_counter()
+        r = await c.post(url, json={"command": command}, headers=auth(secret))
+        lat.append(time.perf_counter() - t)
+        failed += r.status_code != 200 or r.json()["exit_code"] != 0
+    return failed
+
+
+async def run_direct(urls: list[str], groups: int, n: int, command: str) -> dict:
     lat: list[float] = []
-    waits: list[float] = []
-    failures = 0
-    async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {GW_TOKEN}"}, timeout=600,
-                                 limits=httpx.Limits(max_connections=groups * 2)) as c:
-        async def group(g: int) -> None:
-            nonlocal failures
-            t0 = time.perf_counter()
-            r = await c.post("/v1/leases", json={"group_id": f"bench-{g}", "wait_seconds": 600})
-            if r.status_code != 200:
-                failures += 1
-                return
-            waits.append(time.perf_counter() - t0)
-            lid = r.json()["lease_id"]
-            for _ in range(execs):
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(urls) * 2)) as c:
+        async def client(url: str) -> int:
+            failed = 0
+            for _ in range(groups):
+                failed += await execs(c, f"{url}/v1/exec", SECRET, n, command, lat)
+                await c.post(f"{url}/v1/reset", json={"lease_secret": SECRET}, headers=auth(TOKEN))
+            return failed
+
+        failed = sum(await asyncio.gather(*(client(u) for u in urls)))
+    return {"lat": lat, "failed": failed}
+
+
+async def run_leased(gw: str, clients: int, groups: int, n: int, command: str, proxied: bool) -> dict:
+    lat: list[float] = []
+    lease_lat: list[float] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients * 2)) as c:
+        async def client(i: int) -> int:
+            failed = 0
+            for g in range(groups):
                 t = time.perf_counter()
-                e = await c.post(f"/v1/leases/{lid}/exec", json={"command": command})
-                lat.append(time.perf_counter() - t)
-                if e.status_code != 200 or e.json()["exit_code"] != 0:
-                    failures += 1
-            await c.delete(f"/v1/leases/{lid}")
+                r = await c.post(f"{gw}/v1/leases", json={"group_id": f"c{i}-g{g}-{time.time_ns()}",
+                                                          "wait_seconds": 120}, headers=auth(GW_TOKEN))
+                lease_lat.append(time.perf_counter() - t)
+                if r.status_code != 200:
+                    failed += n
+                    continue
+                lease = r.json()
+                url = (f"{gw}/v1/leases/{lease['lease_id']}/exec" if proxied
+                       else f"{lease['sandbox_url']}/v1/exec")
+                failed += await execs(c, url, lease["secret"], n, command, lat)
+                await c.delete(f"{gw}/v1/leases/{lease['lease_id']}", headers=auth(lease["secret"]))
+            return failed
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(group(g) for g in range(groups)))
-        wall = time.perf_counter() - t0
-    return {"lat": lat, "wall": wall, "failures": failures, "lease_wait": waits}
-
-
-async def run_direct_exclusive(urls: list[str], groups: int, execs: int, command: str) -> dict:
-    lat: list[float] = []
-    failures = 0
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for g in range(groups):
-        queue.put_nowait(g)
-    async with httpx.AsyncClient(headers={"authorization": f"Bearer {TOKEN}"}, timeout=600,
-                                 limits=httpx.Limits(max_connections=len(urls) * 2)) as c:
-        async def worker(url: str) -> None:
-            nonlocal failures
-            while not queue.empty():
-                queue.get_nowait()
-                for _ in range(execs):
-                    t = time.perf_counter()
-                    e = await c.post(f"{url}/v1/exec", json={"command": command})
-                    lat.append(time.perf_counter() - t)
-                    if e.status_code != 200 or e.json()["exit_code"] != 0:
-                        failures += 1
-                await c.post(f"{url}/v1/reset")
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(u) for u in urls))
-        wall = time.perf_counter() - t0
-    return {"lat": lat, "wall": wall, "failures": failures}
+        failed = sum(await asyncio.gather(*(client(i) for i in range(clients))))
+    return {"lat": lat, "failed": failed, "lease_lat": lease_lat}
 
 
-async def run_direct_shared(urls: list[str], groups: int, execs: int, command: str) -> dict:
-    lat: list[float] = []
-    failures = 0
-    async with httpx.AsyncClient(headers={"authorization": f"Bearer {TOKEN}"}, timeout=600,
-                                 limits=httpx.Limits(max_connections=groups * 2)) as c:
-        async def group(g: int) -> None:
-            nonlocal failures
-            url = urls[g % len(urls)]
-            for _ in range(execs):
-                t = time.perf_counter()
-                e = await c.post(f"{url}/v1/exec", json={"command": command, "session": f"g{g}"})
-                lat.append(time.perf_counter() - t)
-                if e.status_code != 200 or e.json()["exit_code"] != 0:
-                    failures += 1
+async def run_lease_ops(gw: str, clients: int, seconds: float) -> int:
+    """Lease operations that never touch a sandbox: join a held lease, heartbeat, leave."""
+    ops = 0
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=clients * 2)) as c:
+        async def client(i: int) -> None:
+            nonlocal ops
+            group = f"ops-{i}-{time.time_ns()}"
+            first = (await c.post(f"{gw}/v1/leases", json={"group_id": group, "wait_seconds": 120},
+                                  headers=auth(GW_TOKEN))).json()
+            lid, secret = first["lease_id"], first["secret"]
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() < deadline:
+                await c.post(f"{gw}/v1/leases", json={"group_id": group}, headers=auth(GW_TOKEN))
+                await c.post(f"{gw}/v1/leases/{lid}/heartbeat", headers=auth(secret))
+                await c.delete(f"{gw}/v1/leases/{lid}", headers=auth(secret))
+                ops += 3
+            await c.delete(f"{gw}/v1/leases/{lid}", headers=auth(secret))
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(group(g) for g in range(groups)))
-        wall = time.perf_counter() - t0
-    return {"lat": lat, "wall": wall, "failures": failures}
-
-
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    return ops
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--groups", type=int, default=64)
-    ap.add_argument("--execs", type=int, default=20)
-    ap.add_argument("--sandboxes", type=int, default=8)
-    ap.add_argument("--command", default="echo hi")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds per mode, interleaved")
-    args = ap.parse_args()
+def asgi_heartbeat_cost(n: int = 5000) -> float:
+    """CPU seconds per heartbeat through the gateway's ASGI app alone (no HTTP server, no socket):
+    the gateway's own share of a lease operation."""
+    from asyncgrpo.sandbox.gateway import GatewaySettings, create_gateway
+    from asyncgrpo.sandbox.members import StaticMembers
+    from asyncgrpo.sandbox.pool import BUSY, Lease, Member
 
-    base = Path(tempfile.mkdtemp(prefix="asyncgrpo-bench-"))
-    base.chmod(0o711)
-    procs: list[subprocess.Popen] = []
-    cli = [sys.executable, "-m", "asyncgrpo.cli"]
-    env = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN}
-    try:
-        urls = []
-        for i in range(args.sandboxes):
-            port = free_port()
-            p = subprocess.Popen([*cli, "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port),
-                                  "--workspace", str(base / f"ws{i}")], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            procs.append(p)
-            wait_for_port(port, timeout=60.0, proc=p)
-            urls.append(f"http://127.0.0.1:{port}")
-        gport = free_port()
-        gw = subprocess.Popen([*cli, "gateway", "--host", "127.0.0.1", "--port", str(gport), "--members",
-                               ",".join(urls), "--health-interval-seconds", "1"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(gw)
-        wait_for_port(gport, timeout=60.0, proc=gw)
-        gurl = f"http://127.0.0.1:{gport}"
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{gurl}/v1/demand").json()["idle"] < args.sandboxes:
-            if time.monotonic() > deadline:
-                raise TimeoutError("pool did not become warm")
-            time.sleep(0.2)
+    app = create_gateway(GatewaySettings(token="t", sandbox_token="s"), StaticMembers([]))
+    pool = app.app.state.pool
+    pool.members["m"] = Member("m", "http://127.0.0.1:1", state=BUSY, lease_id="L")
+    pool.leases["L"] = Lease("L", "g", "m", time.monotonic(), time.monotonic(), secret="bench-secret")
+    scope = {"type": "http", "method": "POST", "path": "/v1/leases/L/heartbeat", "raw_path": b"/v1/leases/L/heartbeat",
+             "query_string": b"", "headers": [(b"authorization", b"Bearer bench-secret")], "http_version": "1.1",
+             "scheme": "http", "server": ("x", 1), "client": ("y", 2), "root_path": "", "asgi": {"version": "3.0"}}
 
-        tick = os.sysconf("SC_CLK_TCK")
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
 
-        def cpu(pids: list[int]) -> float:
-            total = 0
-            for pid in pids:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                fields = stat[stat.rfind(")") + 2 :].split()
-                total += int(fields[11]) + int(fields[12])  # utime + stime
-            return total / tick
+    async def send(_message):
+        pass
 
-        sandbox_pids = [p.pid for p in procs[:-1]]
-        modes = {
-            "direct shared": lambda: run_direct_shared(urls, args.groups, args.execs, args.command),
-            "direct exclusive": lambda: run_direct_exclusive(urls, args.groups, args.execs, args.command),
-            "gateway": lambda: run_gateway(gurl, args.groups, args.execs, args.command),
-        }
-        rounds: dict[str, list[dict]] = {m: [] for m in modes}
-        for _ in range(args.rounds):  # modes interleaved, so drifting load hits all of them
-            for mode, make in modes.items():
-                c0 = (cpu([gw.pid]), cpu(sandbox_pids))
-                r = asyncio.run(make())
-                r["gw_cpu"], r["sb_cpu"] = cpu([gw.pid]) - c0[0], cpu(sandbox_pids) - c0[1]
-                rounds[mode].append(r)
-                deadline = time.monotonic() + 60
-                while httpx.get(f"{gurl}/v1/demand").json()["idle"] < args.sandboxes:
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.1)
-        d = httpx.get(f"{gurl}/v1/demand").json()
-        m = httpx.get(f"{gurl}/metrics").text
-        released = metric(m, 'asyncgrpo_gateway_leases_ended_total{how="released"}')
-        expired = metric(m, 'asyncgrpo_gateway_leases_ended_total{how="expired"}')
-        broken = metric(m, 'asyncgrpo_gateway_leases_ended_total{how="broken"}')
-        cold = metric(m, 'asyncgrpo_gateway_lease_wait_seconds_count{start="cold"}')
-        warm = metric(m, 'asyncgrpo_gateway_lease_wait_seconds_count{start="warm"}')
+    async def loop() -> float:
+        t0 = time.process_time()
+        for _ in range(n):
+            await app(dict(scope), receive, send)
+        return (time.process_time() - t0) / n
 
-        n = args.groups * args.execs
-        print(f"\n{args.groups} groups x {args.execs} execs of {args.command!r} over {args.sandboxes} sandbox "
-              f"servers, {args.rounds} interleaved rounds per mode ({os.cpu_count()} CPUs, load average "
-              f"{os.getloadavg()[0]:.1f} at the end)\n")
-        print(f"{'mode':<18}{'execs/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'failed':>8}{'sandbox CPU ms/exec':>21}"
-              f"{'gateway CPU ms/exec':>21}")
-        summary = {}
-        for mode, rs in rounds.items():
-            lat = [x for r in rs for x in r["lat"]]
-            rate = statistics.median(len(r["lat"]) / r["wall"] for r in rs)
-            total = len(lat)
-            sb_ms = sum(r["sb_cpu"] for r in rs) / total * 1e3
-            gw_ms = sum(r["gw_cpu"] for r in rs) / total * 1e3
-            summary[mode] = (rate, pct(lat, .5), pct(lat, .99), gw_ms)
-            print(f"{mode:<18}{rate:>9.1f}{pct(lat, .5) * 1e3:>9.2f}{pct(lat, .99) * 1e3:>9.2f}"
-                  f"{sum(r['failures'] for r in rs):>8}{sb_ms:>21.2f}{gw_ms:>21.2f}")
-        g, x = summary["gateway"], summary["direct exclusive"]
-        print(f"\ngateway vs direct exclusive: p50 {(g[1] - x[1]) * 1e3:+.2f} ms, p99 {(g[2] - x[2]) * 1e3:+.2f} ms, "
-              f"throughput x{g[0] / x[0]:.2f}; the gateway process spends {g[3]:.2f} ms CPU per exec")
-        lw = [x for r in rounds["gateway"] for x in r["lease_wait"]]
-        print(f"lease wait: p50 {pct(lw, .5) * 1e3:.1f} ms, p99 {pct(lw, .99) * 1e3:.1f} ms "
-              f"({warm:.0f} warm, {cold:.0f} cold)")
-        groups_total = args.groups * args.rounds
-        served = sum(len(r["lat"]) for r in rounds["gateway"])
-        ok = (served == n * args.rounds and released == groups_total and expired == 0 and broken == 0
-              and d["leases_active"] == 0 and d["busy"] == 0 and d["idle"] == args.sandboxes)
-        print(f"leases: {released:.0f} released of {groups_total} groups, {expired:.0f} expired, {broken:.0f} broken; "
-              f"after: {d['leases_active']} active, {d['busy']} busy, {d['idle']} idle -> "
-              f"{'no lost or leaked leases' if ok else 'LOST OR LEAKED LEASES'}")
-        return 0 if ok else 1
-    finally:
-        for p in procs:
+    return asyncio.run(loop())
+
+
+class Servers:
+    def __init__(self, base: Path, env: dict):
+        self.base, self.env, self.procs = base, env, []
+        self.cli = [sys.executable, "-m", "asyncgrpo.cli"]
+
+    def sandbox(self) -> tuple[str, int]:
+        port = free_port()
+        p = subprocess.Popen([*self.cli, "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port),
+                              "--workspace", str(self.base / f"ws{port}")], env=self.env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(p)
+        wait_for_port(port, timeout=60.0, proc=p)
+        return f"http://127.0.0.1:{port}", p.pid
+
+    def gateway(self, members: list[str]) -> tuple[str, int]:
+        port = free_port()
+        p = subprocess.Popen([*self.cli, "gateway", "--host", "127.0.0.1", "--port", str(port), "--members",
+                              ",".join(members), "--health-interval-seconds", "1"], env=self.env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(p)
+        wait_for_port(port, timeout=60.0, proc=p)
+        return f"http://127.0.0.1:{port}", p.pid
+
+    def stop(self) -> None:
+        for p in self.procs:
             p.terminate()
-        for p in procs:
+        for p in self.procs:
             try:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def wait_warm(gw: str, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{gw}/v1/demand").json()["idle"] < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError("pool did not become warm")
+        time.sleep(0.1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", default="1,16", help="comma-separated client counts")
+    ap.add_argument("--execs", type=int, default=20, help="execs per group")
+    ap.add_argument("--groups", type=int, default=10, help="groups per client per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per mode, interleaved")
+    ap.add_argument("--command", default="true")
+    ap.add_argument("--lease-ops-seconds", type=float, default=5.0)
+    args = ap.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="asyncgrpo-bench-"))
+    base.chmod(0o711)
+    servers = Servers(base, {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN})
+    failed_total = 0
+    try:
+        counts = [int(x) for x in args.clients.split(",")]
+        most = max(counts)
+        direct = [servers.sandbox() for _ in range(most)]
+        for url, _ in direct:
+            httpx.post(f"{url}/v1/reset", json={"lease_secret": SECRET}, headers=auth(TOKEN)).raise_for_status()
+        pooled = [servers.sandbox() for _ in range(most)]
+        gw, gw_pid = servers.gateway([u for u, _ in pooled])
+        wait_warm(gw, most)
+        print(f"\n{args.groups} groups x {args.execs} execs of {args.command!r} per client, {args.rounds} interleaved "
+              f"rounds per mode ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start; "
+              "servers as uid " + str(os.geteuid()) + ")\n")
+        print(f"{'clients':>7}  {'mode':<15}{'execs/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'failed':>7}"
+              f"{'sandbox CPU ms/exec':>21}{'gateway CPU ms/exec':>21}{'lease p50 ms':>14}")
+        for n_clients in counts:
+            modes = {
+                "direct": (lambda n=n_clients: run_direct([u for u, _ in direct[:n]], args.groups, args.execs,
+                                                          args.command), [p for _, p in direct[:n_clients]]),
+                "lease + direct": (lambda n=n_clients: run_leased(gw, n, args.groups, args.execs, args.command,
+                                                                  False), [p for _, p in pooled]),
+                "proxied": (lambda n=n_clients: run_leased(gw, n, args.groups, args.execs, args.command, True),
+                            [p for _, p in pooled]),
+            }
+            results: dict[str, list[dict]] = {m: [] for m in modes}
+            for _ in range(args.rounds):
+                for mode, (make, sb_pids) in modes.items():
+                    c0 = (cpu([gw_pid]), cpu(sb_pids))
+                    t0 = time.perf_counter()
+                    r = asyncio.run(make())
+                    r["wall"] = time.perf_counter() - t0
+                    r["gw_cpu"], r["sb_cpu"] = cpu([gw_pid]) - c0[0], cpu(sb_pids) - c0[1]
+                    results[mode].append(r)
+                    wait_warm(gw, most)
+            summary = {}
+            for mode, rs in results.items():
+                lat = [x for r in rs for x in r["lat"]]
+                rate = statistics.median(len(r["lat"]) / r["wall"] for r in rs)
+                sb_ms = sum(r["sb_cpu"] for r in rs) / len(lat) * 1e3
+                gw_ms = sum(r["gw_cpu"] for r in rs) / len(lat) * 1e3
+                leases = [x for r in rs for x in r.get("lease_lat", [])]
+                failed = sum(r["failed"] for r in rs)
+                failed_total += failed
+                summary[mode] = (rate, pct(lat, .5), pct(lat, .99))
+                lease_col = f"{pct(leases, .5) * 1e3:>14.2f}" if leases else f"{'-':>14}"
+                print(f"{n_clients:>7}  {mode:<15}{rate:>9.1f}{pct(lat, .5) * 1e3:>9.2f}{pct(lat, .99) * 1e3:>9.2f}"
+                      f"{failed:>7}{sb_ms:>21.2f}{gw_ms:>21.2f}{lease_col}")
+            d, ld, px = summary["direct"], summary["lease + direct"], summary["proxied"]
+            print(f"{'':>9}lease + direct vs direct: p50 {(ld[1] - d[1]) * 1e3:+.2f} ms, p99 {(ld[2] - d[2]) * 1e3:+.2f} ms, "
+                  f"throughput x{ld[0] / d[0]:.2f}; proxied vs direct: p50 {(px[1] - d[1]) * 1e3:+.2f} ms, "
+                  f"p99 {(px[2] - d[2]) * 1e3:+.2f} ms, throughput x{px[0] / d[0]:.2f}")
+        c0 = cpu([gw_pid])
+        t0 = time.perf_counter()
+        ops = asyncio.run(run_lease_ops(gw, most, args.lease_ops_seconds))
+        wall, gw_cpu = time.perf_counter() - t0, cpu([gw_pid]) - c0
+        print(f"\nlease operations (join, heartbeat, release; {most} clients): {ops / wall:.0f}/s wall, "
+              f"gateway CPU {gw_cpu / ops * 1e3:.3f} ms/op -> {ops / max(gw_cpu, 1e-9):.0f} ops per gateway CPU second")
+        per_op = asgi_heartbeat_cost()
+        print(f"the gateway's ASGI app alone (no HTTP server): {per_op * 1e6:.0f} us CPU per heartbeat -> "
+              f"{1 / per_op:.0f} per CPU second")
+        d = httpx.get(f"{gw}/v1/demand").json()
+        ok = failed_total == 0 and d["leases_active"] == 0 and d["idle"] == most
+        print(f"after: {d['leases_active']} leases active, {d['idle']} of {most} sandboxes idle, "
+              f"{failed_total} failed execs -> {'ok' if ok else 'LOST OR LEAKED LEASES / FAILURES'}")
+        return 0 if ok else 1
+    finally:
+        servers.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 

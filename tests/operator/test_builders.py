@@ -205,6 +205,13 @@ def test_sandbox_pod_is_locked_down():
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     token = next(e for e in c["env"] if e["name"] == "ASYNCGRPO_SANDBOX_TOKEN")
     assert token["valueFrom"]["secretKeyRef"]["name"] == secret.secret_name(run)
+    assert c["resources"]["limits"] == {"cpu": 1, "memory": "1Gi", "ephemeral-storage": "4Gi"}
+    # a spec without limits still gets bounded pods; a limit the spec sets wins
+    bare = sandboxes.build_pod(run_of(**{"spec.sandboxes.resources": {"requests": {"cpu": "1"}}}), "x")
+    assert bare["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "1"}, "limits": sandboxes.DEFAULT_LIMITS}
+    big = sandboxes.build_pod(run_of(**{"spec.sandboxes.resources": {"limits": {"memory": "8Gi"}}}), "x")
+    assert big["spec"]["containers"][0]["resources"]["limits"]["memory"] == "8Gi"
     # one hash per template: two pods of one spec share it; a new image changes it
     assert h(pod) == h(sandboxes.build_pod(run, "zz99")) == sandboxes.current_hash(run)
     assert sandboxes.current_hash(run_of(**{"spec.sandboxes.image": "x:2"})) != h(pod)
@@ -243,6 +250,10 @@ def test_network_policies():
     cidrs = [t["ipBlock"]["cidr"] for t in sb["egress"][0]["to"]]
     assert cidrs == sorted({"10.20.0.0/16", "93.184.216.34/32", "2606:2800:220:1::1/128"})
     assert sb["egress"][1]["to"] == [network.KUBE_DNS_PEER]   # hosts listed: DNS opened
+    # the direct data path: the run's gateway and trainer reach sandboxes, on the server port only
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in sb["ingress"][0]["from"]
+            ] == ["gateway", "trainer"]
+    assert sb["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8000}] and len(sb["ingress"]) == 1
     vllm_rules = pols["coder-agent-vllm"]["ingress"]
     assert vllm_rules[0]["from"][0]["podSelector"]["matchLabels"][
         "app.kubernetes.io/component"] == "trainer"

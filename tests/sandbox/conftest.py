@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import free_port, wait_for_port
 
 TOKEN = "sandbox-test-token-0123456789"
+# the secret of the lease tests install with `reset(sb)`: data calls need it, not TOKEN
+LEASE = "lease-secret-for-tests-0123456789"
 _BASES: list[Path] = []
 
 
@@ -119,6 +121,18 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: st
     raise AssertionError(f"{what} not reached within {timeout}s")
 
 
+def reset(sb: Proc, secret: str | None = LEASE) -> dict:
+    """The gateway's control call: revoke the lease, wipe, install `secret` as the next one."""
+    body = {"lease_secret": secret} if secret else None
+    r = httpx.post(f"{sb.url}/v1/reset", json=body, headers={"authorization": f"Bearer {TOKEN}"}, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def lease_client(sb: Proc, secret: str = LEASE) -> httpx.Client:
+    return httpx.Client(base_url=sb.url, headers={"authorization": f"Bearer {secret}"}, timeout=120)
+
+
 @pytest.fixture
 def sandbox(tmp_path):
     p = start_sandbox(tmp_path, "sb", "--max-procs", "128", "--max-output-bytes", "65536")
@@ -128,7 +142,8 @@ def sandbox(tmp_path):
 
 @pytest.fixture
 def client(sandbox):
-    with httpx.Client(base_url=sandbox.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+    reset(sandbox)
+    with lease_client(sandbox) as c:
         yield c
 
 
@@ -149,3 +164,8 @@ def gw_client(gw: Proc) -> httpx.Client:
 
 def warm_count(gw: Proc) -> int:
     return httpx.get(f"{gw.url}/v1/demand", timeout=10).json()["idle"]
+
+
+def holder(gw: Proc, lease: dict) -> httpx.Client:
+    """A client of the gateway holding `lease`: its secret is the credential of its calls."""
+    return httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {lease['secret']}"}, timeout=120)

@@ -12,7 +12,14 @@ import threading
 import httpx
 import pytest
 
-from tests.sandbox.conftest import GW_TOKEN, gw_client, start_gateway, start_sandbox, wait_until
+from tests.sandbox.conftest import (
+    GW_TOKEN,
+    gw_client,
+    holder,
+    start_gateway,
+    start_sandbox,
+    wait_until,
+)
 
 
 def demand(gw) -> dict:
@@ -40,19 +47,22 @@ def test_group_shares_one_lease_and_the_next_group_gets_a_reset_sandbox(one_sand
         first = c.post("/v1/leases", json={"group_id": "g1"}).json()
         second = c.post("/v1/leases", json={"group_id": "g1"}).json()
         assert second["lease_id"] == first["lease_id"] and second["joined"] and second["holders"] == 2
+        assert second["secret"] == first["secret"]
         lid = first["lease_id"]
-        c.post(f"/v1/leases/{lid}/files/write", json={"path": "notes.txt", "content": "from rollout 0"})
-        seen = c.post(f"/v1/leases/{lid}/exec", json={"command": "cat notes.txt"}).json()
+        h = holder(gw, first)
+        h.post(f"/v1/leases/{lid}/files/write", json={"path": "notes.txt", "content": "from rollout 0"})
+        seen = h.post(f"/v1/leases/{lid}/exec", json={"command": "cat notes.txt"}).json()
         assert seen["stdout"] == "from rollout 0"
-        assert c.delete(f"/v1/leases/{lid}").json() == {"lease_id": lid, "ended": False, "holders": 1}
-        assert c.delete(f"/v1/leases/{lid}").json()["ended"] is True
-        gone = c.post(f"/v1/leases/{lid}/exec", json={"command": "true"})
+        assert h.delete(f"/v1/leases/{lid}").json() == {"lease_id": lid, "ended": False, "holders": 1}
+        assert h.delete(f"/v1/leases/{lid}").json()["ended"] is True
+        gone = h.post(f"/v1/leases/{lid}/exec", json={"command": "true"})
         assert gone.status_code == 410 and gone.json()["error"] == "lease_released"
         nxt = c.post("/v1/leases", json={"group_id": "g2", "wait_seconds": 30}).json()
         assert nxt["sandbox"] == first["sandbox"] and nxt["lease_id"] != lid
-        after = c.post(f"/v1/leases/{nxt['lease_id']}/exec", json={"command": "ls -A"}).json()
+        assert nxt["secret"] != first["secret"]
+        after = holder(gw, nxt).post(f"/v1/leases/{nxt['lease_id']}/exec", json={"command": "ls -A"}).json()
         assert after["stdout"] == ""  # the previous group's files were reset away
-        c.delete(f"/v1/leases/{nxt['lease_id']}")
+        holder(gw, nxt).delete(f"/v1/leases/{nxt['lease_id']}")
 
 
 def test_groups_get_distinct_sandboxes_and_wait_when_none_is_free(pool_of_three):
@@ -70,7 +80,7 @@ def test_groups_get_distinct_sandboxes_and_wait_when_none_is_free(pool_of_three)
         wait_until(lambda: demand(gw)["waiting"] == 1, 10, what="one waiting lease request")
         d = demand(gw)
         assert (d["busy"], d["idle"], d["waiting"]) == (3, 0, 1)
-        c.delete(f"/v1/leases/{leases[1]['lease_id']}")
+        holder(gw, leases[1]).delete(f"/v1/leases/{leases[1]['lease_id']}")
         waiter.join(30)
         assert got["sandbox"] == leases[1]["sandbox"] and got["joined"] is False
         metrics = httpx.get(f"{gw.url}/metrics").text
@@ -78,7 +88,7 @@ def test_groups_get_distinct_sandboxes_and_wait_when_none_is_free(pool_of_three)
         assert 'asyncgrpo_gateway_lease_wait_seconds_count{start="warm"} 3.0' in metrics
         assert 'asyncgrpo_gateway_lease_wait_timeouts_total 1.0' in metrics
         for lease in (leases[0], leases[2], got):
-            c.delete(f"/v1/leases/{lease['lease_id']}")
+            holder(gw, lease).delete(f"/v1/leases/{lease['lease_id']}")
         all_warm(gw, 3)
         assert demand(gw)["leases_active"] == 0
 
@@ -88,9 +98,9 @@ import sys, time
 from asyncgrpo.sandbox.client import GatewayClient, Heartbeats
 c = GatewayClient(sys.argv[1], sys.argv[2])
 lease = c.lease("crashy-group")
-Heartbeats.for_client(c, 0.2).add(lease.lease_id)
-c.exec(lease.lease_id, "echo hi > proof.txt")
-print(lease.lease_id, flush=True)
+Heartbeats.for_client(c, 0.2).add(lease)
+c.exec(lease, "echo hi > proof.txt")
+print(lease.lease_id, lease.secret, flush=True)
 time.sleep(3600)
 """
 
@@ -99,8 +109,7 @@ def test_a_killed_rollouts_lease_expires_and_the_sandbox_comes_back(one_sandbox)
     gw, _ = one_sandbox
     proc = subprocess.Popen([sys.executable, "-c", ROLLOUT, gw.url, GW_TOKEN], stdout=subprocess.PIPE, text=True)
     try:
-        lease_id = proc.stdout.readline().strip()
-        assert lease_id
+        lease_id, secret = proc.stdout.readline().split()
         # heartbeats keep it: the lease outlives several TTLs while the rollout lives
         with gw_client(gw) as c:
             pool = c.get("/v1/pool").json()
@@ -114,10 +123,11 @@ def test_a_killed_rollouts_lease_expires_and_the_sandbox_comes_back(one_sandbox)
         wait_until(lambda: demand(gw)["leases_active"] == 0, 20, what="lease taken back")
         all_warm(gw, 1)
         with gw_client(gw) as c:
-            r = c.post(f"/v1/leases/{lease_id}/exec", json={"command": "true"})
+            r = holder(gw, {"secret": secret}).post(f"/v1/leases/{lease_id}/exec", json={"command": "true"})
             assert r.status_code == 410 and r.json()["error"] == "lease_expired"
             fresh = c.post("/v1/leases", json={"group_id": "next"}).json()
-            assert c.post(f"/v1/leases/{fresh['lease_id']}/exec", json={"command": "ls"}).json()["stdout"] == ""
+            assert holder(gw, fresh).post(f"/v1/leases/{fresh['lease_id']}/exec",
+                                          json={"command": "ls"}).json()["stdout"] == ""
         assert 'asyncgrpo_gateway_leases_ended_total{how="expired"} 1.0' in httpx.get(f"{gw.url}/metrics").text
     finally:
         proc.kill()
@@ -130,7 +140,8 @@ def test_a_sandbox_that_dies_mid_exec_is_reported_and_replaced(pool_of_three, tm
         lease = c.post("/v1/leases", json={"group_id": "doomed"}).json()
         victim = next(s for s in sbs if s.url.endswith(lease["sandbox"]))
         result: dict = {}
-        t = threading.Thread(target=lambda: result.update(r=c.post(
+        h = holder(gw, lease)
+        t = threading.Thread(target=lambda: result.update(r=h.post(
             f"/v1/leases/{lease['lease_id']}/exec", json={"command": "echo started > s; sleep 60"})))
         t.start()
         wait_until(lambda: os.path.exists(victim.workspace / "main" / "s"), 20, what="exec started")
@@ -139,15 +150,16 @@ def test_a_sandbox_that_dies_mid_exec_is_reported_and_replaced(pool_of_three, tm
         r = result["r"]
         assert r.status_code == 502 and r.json()["error"] == "sandbox_lost"
         assert r.json()["sandbox"] == lease["sandbox"]
-        again = c.post(f"/v1/leases/{lease['lease_id']}/exec", json={"command": "true"})
+        again = h.post(f"/v1/leases/{lease['lease_id']}/exec", json={"command": "true"})
         assert again.status_code == 410 and again.json()["error"] == "sandbox_lost"
         d = demand(gw)
         assert d["unhealthy_members"] == [lease["sandbox"]] and d["idle"] == 2
         # the group leases again and lands on a healthy sandbox
         retry = c.post("/v1/leases", json={"group_id": "doomed"}).json()
         assert retry["sandbox"] != lease["sandbox"]
-        assert c.post(f"/v1/leases/{retry['lease_id']}/exec", json={"command": "echo ok"}).json()["stdout"] == "ok\n"
-        c.delete(f"/v1/leases/{retry['lease_id']}")
+        h2 = holder(gw, retry)
+        assert h2.post(f"/v1/leases/{retry['lease_id']}/exec", json={"command": "echo ok"}).json()["stdout"] == "ok\n"
+        h2.delete(f"/v1/leases/{retry['lease_id']}")
         # a replacement process on the same address rejoins after passing health and reset
         victim.start()
         all_warm(gw, 3)
@@ -181,13 +193,13 @@ def test_gateway_auth_demand_and_drain(pool_of_three):
     with gw_client(gw) as c:
         assert c.post("/v1/leases", content=b"{oops").status_code == 400
         assert c.post("/v1/leases", json={"group_id": ""}).status_code == 422
-        assert c.post("/v1/leases", content=json.dumps({"group_id": "g", "x": "y" * (17 << 20)})).status_code == 413
+        assert c.post("/v1/leases", content=json.dumps({"group_id": "g", "x": "y" * (5 << 20)})).status_code == 413
         lease = c.post("/v1/leases", json={"group_id": "g"}).json()
         busy = c.post(f"/v1/members/{lease['sandbox']}/drain").json()
         assert busy["safe_to_delete"] is False
         idle_name = next(n for n, s in demand(gw)["members"].items() if s == "warm")
         assert c.post(f"/v1/members/{idle_name}/drain").json()["safe_to_delete"] is True
-        c.delete(f"/v1/leases/{lease['lease_id']}")
+        holder(gw, lease).delete(f"/v1/leases/{lease['lease_id']}")
         wait_until(lambda: demand(gw)["members"][lease["sandbox"]] == "draining", 20, what="drained after release")
         assert demand(gw)["idle"] == 1
 
@@ -202,15 +214,17 @@ def test_500_concurrent_execs_through_the_gateway(pool_of_three):
     async def run():
         async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": f"Bearer {GW_TOKEN}"},
                                      timeout=300, limits=httpx.Limits(max_connections=600)) as c:
-            leases = [(await c.post("/v1/leases", json={"group_id": f"g{i}"})).json()["lease_id"] for i in range(3)]
+            leases = [(await c.post("/v1/leases", json={"group_id": f"g{i}"})).json() for i in range(3)]
 
             async def one(i):
-                r = await c.post(f"/v1/leases/{leases[i % 3]}/exec", json={"command": f"echo {i}"})
+                lease = leases[i % 3]
+                r = await c.post(f"/v1/leases/{lease['lease_id']}/exec", json={"command": f"echo {i}"},
+                                 headers={"authorization": f"Bearer {lease['secret']}"})
                 return r.json()["stdout"]
 
             out = await asyncio.gather(*(one(i) for i in range(500)))
-            for lid in leases:
-                await c.delete(f"/v1/leases/{lid}")
+            for lease in leases:
+                await c.delete(f"/v1/leases/{lease['lease_id']}", headers={"authorization": f"Bearer {lease['secret']}"})
             return out
 
     assert asyncio.run(run()) == [f"{i}\n" for i in range(500)]
@@ -224,10 +238,11 @@ def test_an_exec_longer_than_the_gateway_allows_is_cut_by_the_sandbox_not_droppe
     try:
         all_warm(gw, 1)
         with gw_client(gw) as c:
-            lid = c.post("/v1/leases", json={"group_id": "g"}).json()["lease_id"]
-            r = c.post(f"/v1/leases/{lid}/exec", json={"command": "sleep 30", "timeout_seconds": 100})
+            lease = c.post("/v1/leases", json={"group_id": "g"}).json()
+            lid, h = lease["lease_id"], holder(gw, lease)
+            r = h.post(f"/v1/leases/{lid}/exec", json={"command": "sleep 30", "timeout_seconds": 100})
             assert r.status_code == 200 and r.json()["timed_out"] is True
-            assert c.post(f"/v1/leases/{lid}/exec", json={"command": "echo on"}).json()["stdout"] == "on\n"
+            assert h.post(f"/v1/leases/{lid}/exec", json={"command": "echo on"}).json()["stdout"] == "on\n"
             assert demand(gw)["unhealthy"] == 0
     finally:
         gw.stop()
@@ -237,7 +252,7 @@ def test_an_exec_longer_than_the_gateway_allows_is_cut_by_the_sandbox_not_droppe
 def test_a_waiting_group_takes_one_sandbox_and_waiters_are_served_in_order(one_sandbox):
     gw, _ = one_sandbox
     with gw_client(gw) as c:
-        holder = c.post("/v1/leases", json={"group_id": "first"}).json()
+        first = c.post("/v1/leases", json={"group_id": "first"}).json()
         got: dict[str, list] = {"early": [], "late": []}
 
         def ask(group: str) -> None:
@@ -251,17 +266,17 @@ def test_a_waiting_group_takes_one_sandbox_and_waiters_are_served_in_order(one_s
         late = threading.Thread(target=ask, args=("late",))
         late.start()
         wait_until(lambda: demand(gw)["waiting"] == 2, 10, what="the late group waiting behind it")
-        c.delete(f"/v1/leases/{holder['lease_id']}")
+        holder(gw, first).delete(f"/v1/leases/{first['lease_id']}")
         for t in threads:
             t.join(30)
         early = got["early"]
         assert len({g["lease_id"] for g in early}) == 1 and max(g["holders"] for g in early) == 3
         assert sorted(g["joined"] for g in early) == [False, True, True]
         assert got["late"] == [] and demand(gw)["waiting"] == 1  # still behind the early group
-        c.delete(f"/v1/leases/{early[0]['lease_id']}", params={"all": "true"})
+        holder(gw, early[0]).delete(f"/v1/leases/{early[0]['lease_id']}", params={"all": "true"})
         late.join(30)
-        assert got["late"][0]["sandbox"] == holder["sandbox"]
-        c.delete(f"/v1/leases/{got['late'][0]['lease_id']}")
+        assert got["late"][0]["sandbox"] == first["sandbox"]
+        holder(gw, got["late"][0]).delete(f"/v1/leases/{got['late'][0]['lease_id']}")
 
 
 @pytest.mark.parametrize(("args", "env", "message"), [
@@ -287,7 +302,8 @@ def test_a_leased_sandbox_that_is_only_slow_keeps_its_lease(tmp_path):
             lease = c.post("/v1/leases", json={"group_id": "g"}).json()
             busy, idle = (busy_sb, idle_sb) if busy_sb.url.endswith(lease["sandbox"]) else (idle_sb, busy_sb)
             result: dict = {}
-            t = threading.Thread(target=lambda: result.update(r=c.post(
+            h = holder(gw, lease)
+            t = threading.Thread(target=lambda: result.update(r=h.post(
                 f"/v1/leases/{lease['lease_id']}/exec", json={"command": "touch started; sleep 2; echo done"})))
             t.start()
             wait_until(lambda: (busy.workspace / "main" / "started").exists(), 20, what="exec running")
@@ -302,7 +318,7 @@ def test_a_leased_sandbox_that_is_only_slow_keeps_its_lease(tmp_path):
                     os.kill(p.pid, signal.SIGCONT)
             t.join(60)
             assert result["r"].status_code == 200 and result["r"].json()["stdout"] == "done\n"
-            c.delete(f"/v1/leases/{lease['lease_id']}")
+            h.delete(f"/v1/leases/{lease['lease_id']}")
         all_warm(gw, 2)
     finally:
         gw.stop()

@@ -14,7 +14,7 @@ from kubernetes import client as k8s
 
 from asyncgrpo.sandbox.members import pod_member
 from tests.conftest import free_port
-from tests.sandbox.conftest import gw_client, start_gateway, start_sandbox, wait_until
+from tests.sandbox.conftest import gw_client, holder, start_gateway, start_sandbox, wait_until
 
 SELECTOR = {"app.kubernetes.io/component": "sandbox", "asyncgrpo.dev/run": "demo"}
 
@@ -61,13 +61,14 @@ def test_gateway_follows_the_runs_sandbox_pods(kube_cluster, kube_client, tmp_pa
                        what="three pods warm")
             with gw_client(gw) as c:
                 lease = c.post("/v1/leases", json={"group_id": "g"}).json()
-                ran = c.post(f"/v1/leases/{lease['lease_id']}/exec", json={"command": "pwd"}).json()
+                h = holder(gw, lease)
+                ran = h.post(f"/v1/leases/{lease['lease_id']}/exec", json={"command": "pwd"}).json()
                 index = int(lease["sandbox"].split("-")[1])
                 assert ran["stdout"].startswith(str(sandboxes[index].workspace))
                 # the leased pod is deleted: its lease breaks with a clear error, the member goes
                 core.delete_namespaced_pod(lease["sandbox"], ns, grace_period_seconds=0)
                 wait_until(lambda: lease["sandbox"] not in demand()["members"], 30, what="deleted pod removed")
-                gone = c.post(f"/v1/leases/{lease['lease_id']}/exec", json={"command": "true"})
+                gone = h.post(f"/v1/leases/{lease['lease_id']}/exec", json={"command": "true"})
                 assert gone.status_code == 410 and gone.json()["error"] == "sandbox_lost"
             assert sorted(demand()["members"]) == sorted({f"sandbox-{i}" for i in range(3)} - {lease["sandbox"]})
         finally:

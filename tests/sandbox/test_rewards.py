@@ -91,4 +91,21 @@ def test_without_a_sandbox_the_group_is_left_unscored(gateway):
         held = c.post("/v1/leases", json={"group_id": "hog"}).json()
         rewards = sandbox_tests(["```python\nx = 1\n```"] * 2, test_command="true", lease_wait_seconds=0.2)
         assert rewards == [None, None]
-        c.delete(f"/v1/leases/{held['lease_id']}")
+        c.delete(f"/v1/leases/{held['lease_id']}", headers={"authorization": f"Bearer {held['secret']}"})
+
+
+def test_a_test_run_longer_than_the_lease_ttl_keeps_its_lease(tmp_path, monkeypatch):
+    """Direct data path: the gateway sees no exec, so the reward heartbeats its lease."""
+    monkeypatch.setenv("ASYNCGRPO_GATEWAY_TOKEN", GW_TOKEN)
+    sb = start_sandbox(tmp_path, "long")
+    gw = start_gateway(tmp_path, [sb.url], "--health-interval-seconds", "0.3", "--lease-ttl-seconds", "1")
+    try:
+        wait_until(lambda: httpx.get(f"{gw.url}/v1/demand").json()["idle"] == 1, 30, what="pool warm")
+        rewards = sandbox_tests(["```python\nx = 1\n```"], test_command="sleep 3 && echo '1 passed'",
+                                timeout_seconds=30, gateway_url=gw.url, prompts=["p"])
+        assert rewards == [1.0]
+        metrics = httpx.get(f"{gw.url}/metrics").text
+        assert 'leases_ended_total{how="expired"}' not in metrics
+    finally:
+        gw.stop()
+        sb.stop()

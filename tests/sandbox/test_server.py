@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.sandbox.conftest import TOKEN, start_sandbox, wait_until
+from tests.sandbox.conftest import LEASE, TOKEN, lease_client, reset, start_sandbox, wait_until
 
 # the classic bomb, kept alive by its first shell so the exec runs into its timeout
 BOMB = "bomb(){ bomb | bomb & }; bomb; sleep 60"
@@ -104,8 +104,7 @@ def test_background_jobs_end_with_the_exec_and_escapees_end_at_reset(client, san
     assert r.json()["stdout"] == "started\n" and r.json()["timed_out"] is False
     wait_until(lambda: not cmdlines_containing("318.5"), 10, what="background job killed with its exec")
     assert cmdlines_containing("319.5"), "setsid escapee should survive the exec (it left the group)"
-    reset = client.post("/v1/reset").json()
-    assert reset["killed_processes"] >= 1
+    assert reset(sandbox)["killed_processes"] >= 1
     wait_until(lambda: not cmdlines_containing("319.5"), 10, what="escapee killed by reset")
 
 
@@ -114,7 +113,7 @@ def test_fork_bomb_is_contained(client, sandbox):
     r = client.post("/v1/exec", json={"command": BOMB, "timeout_seconds": 4}).json()
     assert r["timed_out"] is True  # the bomb ran into RLIMIT_NPROC, then the timeout took it all
     assert "Resource temporarily unavailable" in r["stderr"]
-    client.post("/v1/reset").raise_for_status()
+    reset(sandbox)
     wait_until(lambda: not descendants_of(sandbox.pid), 20, what="no process left after reset")
     after = client.post("/v1/exec", json={"command": "echo alive"}).json()
     assert after["stdout"] == "alive\n"
@@ -179,10 +178,10 @@ def test_missing_or_wrong_token_is_refused(sandbox):
 
 
 def test_huge_and_malformed_bodies_are_refused(client, sandbox):
-    auth = {"authorization": f"Bearer {TOKEN}"}
+    auth = {"authorization": f"Bearer {LEASE}"}
     # declared too large: refused before the body is read
     with socket.create_connection(("127.0.0.1", sandbox.port)) as s:
-        s.sendall(b"POST /v1/exec HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+        s.sendall(b"POST /v1/exec HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + LEASE.encode()
                   + b"\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 413")
 
@@ -192,7 +191,7 @@ def test_huge_and_malformed_bodies_are_refused(client, sandbox):
 
     r = httpx.post(sandbox.url + "/v1/files/write", content=chunks(), headers=auth, timeout=60)
     assert r.status_code == 413  # chunked, no Content-Length: counted while read
-    big = {"path": "big.txt", "content": "y" * (17 << 20)}
+    big = {"path": "big.txt", "content": "y" * (5 << 20)}
     assert client.post("/v1/files/write", json=big).status_code == 413
     assert client.post("/v1/exec", content=b"{not json").status_code == 400
     assert client.post("/v1/exec", content=b"\xff\xfe\x00").status_code == 400
@@ -217,7 +216,8 @@ def test_reset_restores_the_template_and_sessions_are_apart(tmp_path):
     (template / "pkg" / "mod.py").write_text("VALUE = 1\n")
     sb = start_sandbox(tmp_path, "tpl", "--template", str(template))
     try:
-        with httpx.Client(base_url=sb.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=60) as c:
+        reset(sb)
+        with lease_client(sb) as c:
             c.post("/v1/files/write", json={"path": "pkg/mod.py", "content": "VALUE = 2\n", "session": "r0"})
             c.post("/v1/exec", json={"command": "rm -rf pkg; mkdir -p junk; chmod 000 junk; touch new",
                                      "session": "r1"}).raise_for_status()
@@ -225,7 +225,7 @@ def test_reset_restores_the_template_and_sessions_are_apart(tmp_path):
             r2 = c.post("/v1/files/read", json={"path": "pkg/mod.py", "session": "r2"}).json()
             assert (r0["content"], r2["content"]) == ("VALUE = 2\n", "VALUE = 1\n")
             assert c.post("/v1/files/read", json={"path": "pkg/mod.py", "session": "r1"}).status_code == 404
-            c.post("/v1/reset").raise_for_status()
+            reset(sb)
             for session in ("r0", "r1"):
                 again = c.post("/v1/exec", json={"command": "cat pkg/mod.py; ls", "session": session}).json()
                 assert again["stdout"] == "VALUE = 1\npkg\n"
@@ -237,10 +237,11 @@ def test_reset_restores_the_template_and_sessions_are_apart(tmp_path):
 @pytest.mark.slow
 def test_500_concurrent_execs_are_served(tmp_path):
     sb = start_sandbox(tmp_path, "many", "--max-concurrent-execs", "32")
+    reset(sb)
 
     async def run_all():
         limits = httpx.Limits(max_connections=500)
-        async with httpx.AsyncClient(base_url=sb.url, headers={"authorization": f"Bearer {TOKEN}"},
+        async with httpx.AsyncClient(base_url=sb.url, headers={"authorization": f"Bearer {LEASE}"},
                                      timeout=300, limits=limits) as c:
             async def one(i):
                 r = await c.post("/v1/exec", json={"command": f"echo {i}", "timeout_seconds": 120})
@@ -319,7 +320,8 @@ def nonroot_sandbox(tmp_path):
 
 def test_non_root_server_hides_its_token_from_same_uid_commands(nonroot_sandbox):
     """Non-dumpable keeps /proc/<server> root-owned, so a same-uid command cannot read its environ."""
-    r = httpx.post(f"{nonroot_sandbox.url}/v1/exec", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30,
+    reset(nonroot_sandbox)
+    r = httpx.post(f"{nonroot_sandbox.url}/v1/exec", headers={"authorization": f"Bearer {LEASE}"}, timeout=30,
                    json={"command": "id -u; env; cat /proc/$PPID/environ; ls -ln /proc/$PPID/environ"}).json()
     assert r["stdout"].splitlines()[0] == "65534"
     assert TOKEN not in r["stdout"] + r["stderr"]
@@ -328,10 +330,11 @@ def test_non_root_server_hides_its_token_from_same_uid_commands(nonroot_sandbox)
 
 @pytest.mark.slow
 def test_fork_bomb_is_contained_when_the_server_is_not_root(nonroot_sandbox):
-    with httpx.Client(base_url=nonroot_sandbox.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+    reset(nonroot_sandbox)
+    with lease_client(nonroot_sandbox) as c:
         r = c.post("/v1/exec", json={"command": BOMB, "timeout_seconds": 4}).json()
         assert r["timed_out"] is True
         assert "Resource temporarily unavailable" in r["stderr"]
-        c.post("/v1/reset").raise_for_status()
+        reset(nonroot_sandbox)
         wait_until(lambda: not descendants_of(nonroot_sandbox.pid), 20, what="no process left after reset")
         assert c.post("/v1/exec", json={"command": "echo alive"}).json()["stdout"] == "alive\n"

@@ -1,6 +1,8 @@
 """NetworkPolicies: sandboxes talk only to the gateway; the run's servers only to each other.
 
-- sandbox pods: ingress only from the run's gateway, on the sandbox port; egress denied except
+- sandbox pods: ingress only from the run's gateway (leases: reset, health) and the run's
+  trainer (the direct data path: a lease gives the trainer the sandbox's address and a
+  secret only that sandbox accepts), on the sandbox port only; egress denied except
   the spec's allow-list (CIDRs, and host names resolved by the operator to /32 or /128
   blocks, with DNS to kube-dns opened only when host names are listed);
 - trainer, vLLM and gateway: ingress only from the run's own pods and from the metrics
@@ -70,7 +72,7 @@ def build_sandbox_policy(run: AsyncGRPORun, resolved_hosts: list[str]) -> dict[s
                                                         {"protocol": "TCP", "port": 53}]})
     return _policy(run, sandboxes.COMPONENT, {
         "policyTypes": ["Ingress", "Egress"],
-        "ingress": [{"from": [_peer(run, gateway.COMPONENT)],
+        "ingress": [{"from": [_peer(run, gateway.COMPONENT), _peer(run, trainer.COMPONENT)],
                      "ports": [{"protocol": "TCP", "port": SANDBOX_PORT}]}],
         "egress": egress,
     })

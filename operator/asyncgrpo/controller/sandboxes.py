@@ -29,6 +29,17 @@ from asyncgrpo.controller.secret import SANDBOX_TOKEN_KEY, secret_name
 
 COMPONENT = "sandbox"
 _ALPHABET = string.ascii_lowercase + string.digits
+#: Limits every sandbox pod gets unless the spec sets its own: a command's memory, CPU and
+#: disk are bounded by its pod (the server's RLIMIT_NPROC bounds its processes).
+DEFAULT_LIMITS = {"cpu": 1, "memory": "1Gi", "ephemeral-storage": "4Gi"}
+WORKSPACE_SIZE = "2Gi"
+
+
+def sandbox_resources(run: AsyncGRPORun) -> dict[str, Any]:
+    """The spec's resources, with every limit it leaves out taken from DEFAULT_LIMITS."""
+    out = resources(run.spec.sandboxes.resources)  # type: ignore[union-attr]
+    out["limits"] = {**DEFAULT_LIMITS, **out.get("limits", {})}
+    return out
 
 
 def random_suffix(n: int = 4) -> str:
@@ -58,7 +69,7 @@ def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:
              "valueFrom": {"secretKeyRef": {"name": secret_name(run), "key": SANDBOX_TOKEN_KEY}}},
         ],
         "ports": [{"name": "http", "containerPort": SANDBOX_PORT}],
-        "resources": resources(sb.resources),
+        "resources": sandbox_resources(run),
         "securityContext": container_security(),
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2},
         "volumeMounts": [{"name": "workspace", "mountPath": "/workspace"},
@@ -70,7 +81,9 @@ def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:
         "enableServiceLinks": False,
         "securityContext": pod_security(),
         "containers": [container],
-        "volumes": [tmp_volume("workspace", size="2Gi"), tmp_volume(size="1Gi")],
+        # the workspace quota: past it the kubelet evicts the pod, the gateway sees the
+        # sandbox lost and the group leases a fresh one
+        "volumes": [tmp_volume("workspace", size=WORKSPACE_SIZE), tmp_volume(size="1Gi")],
     }
     if sb.runtime_class_name:
         spec["runtimeClassName"] = sb.runtime_class_name

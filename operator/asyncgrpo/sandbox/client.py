@@ -5,6 +5,12 @@ gone (lease again, tell the model), `NoSandbox` means the pool had nothing free 
 (retry later), anything else is a `SandboxError` with the server's error code.
 A `Heartbeats` thread keeps leases alive while a rollout thinks between tool calls; when the
 process dies the heartbeats stop and the gateway takes the sandbox back after its TTL.
+
+A lease is a capability: its `secret` is the credential of every call on it, and the
+gateway token is sent only to take a lease. When the gateway runs the direct data path the
+lease names the sandbox's address and execs and file calls go straight there; a call that
+gets no answer within its timeout plus the gateway's slack is reported to the gateway
+(`/lost`), which checks the sandbox and takes it out if it is down.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import httpx
@@ -21,7 +27,7 @@ GATEWAY_URL_ENV = "ASYNCGRPO_GATEWAY_URL"
 GATEWAY_TOKEN_ENV = "ASYNCGRPO_GATEWAY_TOKEN"
 
 
-_LEASE_GONE = frozenset({"lease_released", "lease_expired", "lease_unknown", "sandbox_lost"})
+_LEASE_GONE = frozenset({"lease_released", "lease_expired", "lease_unknown", "sandbox_lost", "lease_revoked"})
 
 
 class SandboxError(RuntimeError):
@@ -67,8 +73,9 @@ def _exec_body(command, timeout_seconds, stdin, env, cwd, session, max_output_by
     return body
 
 
-def _http_timeout(timeout_seconds: float | None) -> httpx.Timeout:
-    return httpx.Timeout((timeout_seconds or 600.0) + 60.0, connect=10.0)
+def _http_timeout(timeout_seconds: float | None, slack: float = 5.0) -> httpx.Timeout:
+    # the sandbox answers within the exec's timeout (its queueing included) plus the slack
+    return httpx.Timeout((timeout_seconds or 600.0) + slack + 2.0, connect=10.0)
 
 
 @dataclass
@@ -78,54 +85,124 @@ class Lease:
     sandbox: str
     ttl_seconds: float
     joined: bool
+    secret: str = field(default="", repr=False)
+    sandbox_url: str | None = None  # set when the data path is direct
+    exec_slack_seconds: float = 5.0
+
+    @classmethod
+    def from_answer(cls, d: dict) -> Lease:
+        return cls(d["lease_id"], d["group_id"], d["sandbox"], d["ttl_seconds"], d["joined"], d["secret"],
+                   d.get("sandbox_url"), d.get("exec_slack_seconds", 5.0))
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.secret}"}
 
 
 class GatewayClient:
-    """Synchronous client: `lease()`, then `exec`/`read_file`/`write_file` on the lease id."""
+    """Synchronous client: `lease()`, then `exec`/`read_file`/`write_file` on the lease.
+
+    Methods take the `Lease` or its id (a lease this client took: the client keeps the
+    secret; another client's lease id is of no use to it, nor to anyone).
+    """
 
     def __init__(self, url: str | None = None, token: str | None = None, *, client: httpx.Client | None = None):
         self.url = (url or os.environ.get(GATEWAY_URL_ENV, "")).rstrip("/")
         token = token if token is not None else os.environ.get(GATEWAY_TOKEN_ENV, "")
         if not self.url:
             raise ValueError(f"no gateway URL: pass one or set {GATEWAY_URL_ENV}")
+        self._control = {"authorization": f"Bearer {token}"}
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
         self.http = client or httpx.Client(
-            headers={"authorization": f"Bearer {token}"},
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
             timeout=httpx.Timeout(660.0, connect=10.0),
         )
+
+    def _lease_of(self, lease: Lease | str) -> Lease:
+        if isinstance(lease, Lease):
+            return lease
+        with self._lock:
+            found = self._leases.get(lease)
+        if found is None:
+            raise LeaseLost(404, "lease_unknown", f"this client holds no lease {lease}")
+        return found
+
+    def _forget(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases.pop(lease.lease_id, None)
 
     def lease(self, group_id: str, wait_seconds: float | None = None) -> Lease:
         body: dict = {"group_id": group_id}
         if wait_seconds is not None:
             body["wait_seconds"] = wait_seconds
         timeout = httpx.Timeout((wait_seconds if wait_seconds is not None else 300.0) + 30.0, connect=10.0)
-        d = _raise_for(self.http.post(f"{self.url}/v1/leases", json=body, timeout=timeout))
-        return Lease(d["lease_id"], d["group_id"], d["sandbox"], d["ttl_seconds"], d["joined"])
+        d = _raise_for(self.http.post(f"{self.url}/v1/leases", json=body, headers=self._control, timeout=timeout))
+        lease = Lease.from_answer(d)
+        with self._lock:
+            self._leases[lease.lease_id] = lease
+        return lease
 
-    def heartbeat(self, lease_id: str) -> dict:
-        return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease_id}/heartbeat"))
+    def heartbeat(self, lease: Lease | str) -> dict:
+        lease = self._lease_of(lease)
+        try:
+            return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/heartbeat", headers=lease.auth))
+        except LeaseLost:
+            self._forget(lease)
+            raise
 
-    def release(self, lease_id: str, all_holders: bool = False) -> dict:
+    def release(self, lease: Lease | str, all_holders: bool = False) -> dict:
+        lease = self._lease_of(lease)
         params = {"all": "true"} if all_holders else None
-        return _raise_for(self.http.delete(f"{self.url}/v1/leases/{lease_id}", params=params))
+        try:
+            out = _raise_for(self.http.delete(f"{self.url}/v1/leases/{lease.lease_id}", params=params,
+                                              headers=lease.auth))
+        except LeaseLost:
+            self._forget(lease)
+            raise
+        if out.get("ended"):
+            self._forget(lease)
+        return out
 
-    def exec(self, lease_id: str, command, *, timeout_seconds: float | None = None, stdin: str | None = None,
+    def _data(self, lease: Lease | str, route: str, body: dict, timeout: httpx.Timeout | None = None) -> dict:
+        lease = self._lease_of(lease)
+        try:
+            return self._call(lease, route, body, timeout)
+        except LeaseLost:
+            self._forget(lease)
+            raise
+
+    def _call(self, lease: Lease, route: str, body: dict, timeout: httpx.Timeout | None) -> dict:
+        if lease.sandbox_url is None:  # proxied data path
+            return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/{route}", json=body,
+                                              headers=lease.auth, timeout=timeout or httpx.USE_CLIENT_DEFAULT))
+        try:
+            return _raise_for(self.http.post(f"{lease.sandbox_url}/v1/{route}", json=body, headers=lease.auth,
+                                              timeout=timeout or httpx.USE_CLIENT_DEFAULT))
+        except (httpx.TimeoutException, httpx.TransportError) as err:
+            # no answer: ask the gateway to check the sandbox (and take it out if it is down)
+            _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/lost", headers=lease.auth))
+            raise SandboxError(504 if isinstance(err, httpx.TimeoutException) else 502, "transport_error",
+                               f"{type(err).__name__}; the sandbox is up, the lease holds; "
+                               "the call may or may not have run") from err
+
+    def exec(self, lease: Lease | str, command, *, timeout_seconds: float | None = None, stdin: str | None = None,
              env: dict | None = None, cwd: str | None = None, session: str | None = None,
-             max_output_bytes: int | None = None) -> dict:
+             max_output_bytes: int | None = None, output_encoding: str | None = None) -> dict:
+        lease = self._lease_of(lease)
         body = _exec_body(command, timeout_seconds, stdin, env, cwd, session, max_output_bytes)
-        return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease_id}/exec", json=body,
-                                         timeout=_http_timeout(timeout_seconds)))
+        if output_encoding:
+            body["output_encoding"] = output_encoding
+        return self._data(lease, "exec", body, _http_timeout(timeout_seconds, lease.exec_slack_seconds))
 
-    def read_file(self, lease_id: str, path: str, *, session: str | None = None,
+    def read_file(self, lease: Lease | str, path: str, *, session: str | None = None,
                   max_bytes: int | None = None) -> dict:
         body = {"path": path, "session": session, "max_bytes": max_bytes}
-        return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease_id}/files/read",
-                                         json={k: v for k, v in body.items() if v is not None}))
+        return self._data(lease, "files/read", {k: v for k, v in body.items() if v is not None})
 
-    def write_file(self, lease_id: str, path: str, content: str, *, session: str | None = None) -> dict:
+    def write_file(self, lease: Lease | str, path: str, content: str, *, session: str | None = None) -> dict:
         body = {"path": path, "content": content, "session": session}
-        return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease_id}/files/write",
-                                         json={k: v for k, v in body.items() if v is not None}))
+        return self._data(lease, "files/write", {k: v for k, v in body.items() if v is not None})
 
     def demand(self) -> dict:
         return _raise_for(self.http.get(f"{self.url}/v1/demand"))
@@ -135,42 +212,66 @@ class GatewayClient:
 
 
 class AsyncSandboxClient:
-    """Async client of either the gateway (with a lease id) or one sandbox server (without)."""
+    """Async client of the gateway's leases, or of one sandbox server holding a lease secret.
+
+    `AsyncSandboxClient(gateway_url, gateway_token)`: `lease()`, then `exec(lease=...)`,
+    direct or proxied as the lease says. `AsyncSandboxClient(sandbox_url, lease_secret)`:
+    `exec()` straight on that sandbox (tests, benchmarks).
+    """
 
     def __init__(self, url: str, token: str, *, client: httpx.AsyncClient | None = None):
         self.url = url.rstrip("/")
+        self._auth = {"authorization": f"Bearer {token}"}
         self.http = client or httpx.AsyncClient(
-            headers={"authorization": f"Bearer {token}"},
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024),
             timeout=httpx.Timeout(660.0, connect=10.0),
         )
-
-    def _base(self, lease_id: str | None) -> str:
-        return f"{self.url}/v1/leases/{lease_id}" if lease_id else f"{self.url}/v1"
 
     async def lease(self, group_id: str, wait_seconds: float | None = None) -> Lease:
         body: dict = {"group_id": group_id}
         if wait_seconds is not None:
             body["wait_seconds"] = wait_seconds
-        d = _raise_for(await self.http.post(f"{self.url}/v1/leases", json=body))
-        return Lease(d["lease_id"], d["group_id"], d["sandbox"], d["ttl_seconds"], d["joined"])
+        return Lease.from_answer(_raise_for(await self.http.post(f"{self.url}/v1/leases", json=body,
+                                                                 headers=self._auth)))
 
-    async def release(self, lease_id: str, all_holders: bool = False) -> dict:
+    async def release(self, lease: Lease, all_holders: bool = False) -> dict:
         params = {"all": "true"} if all_holders else None
-        return _raise_for(await self.http.delete(f"{self.url}/v1/leases/{lease_id}", params=params))
+        return _raise_for(await self.http.delete(f"{self.url}/v1/leases/{lease.lease_id}", params=params,
+                                                 headers=lease.auth))
 
-    async def exec(self, command, *, lease_id: str | None = None, timeout_seconds: float | None = None,
+    async def exec(self, command, *, lease: Lease | None = None, timeout_seconds: float | None = None,
                    stdin: str | None = None, env: dict | None = None, cwd: str | None = None,
                    session: str | None = None, max_output_bytes: int | None = None) -> dict:
         body = _exec_body(command, timeout_seconds, stdin, env, cwd, session, max_output_bytes)
-        return _raise_for(await self.http.post(f"{self._base(lease_id)}/exec", json=body,
-                                               timeout=_http_timeout(timeout_seconds)))
-
-    async def reset(self) -> dict:
-        return _raise_for(await self.http.post(f"{self.url}/v1/reset"))
+        if lease is None:
+            url, auth = f"{self.url}/v1/exec", self._auth
+        elif lease.sandbox_url:
+            url, auth = f"{lease.sandbox_url}/v1/exec", lease.auth
+        else:
+            url, auth = f"{self.url}/v1/leases/{lease.lease_id}/exec", lease.auth
+        return _raise_for(await self.http.post(url, json=body, headers=auth, timeout=_http_timeout(timeout_seconds)))
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+_SHARED: dict[str, GatewayClient] = {}  # by gateway URL and token
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_client(url: str | None = None) -> GatewayClient:
+    """One client per gateway URL in this process (its connections and its heartbeat thread).
+
+    With the direct data path the gateway sees no calls, only heartbeats: whoever holds a
+    lease through a long exec must heartbeat it (`Heartbeats`), or it expires after the TTL.
+    """
+    url = url or os.environ.get(GATEWAY_URL_ENV, "")
+    token = os.environ.get(GATEWAY_TOKEN_ENV, "")
+    with _SHARED_LOCK:
+        key = f"{url}\0{token}"
+        if key not in _SHARED:
+            _SHARED[key] = GatewayClient(url, token)
+        return _SHARED[key]
 
 
 class Heartbeats:
@@ -196,13 +297,13 @@ class Heartbeats:
                 cls._instances[id(client)] = hb
             return hb
 
-    def add(self, lease_id: str) -> None:
+    def add(self, lease: Lease | str) -> None:
         with self._cond:
-            self.leases.add(lease_id)
+            self.leases.add(lease.lease_id if isinstance(lease, Lease) else lease)
 
-    def discard(self, lease_id: str) -> None:
+    def discard(self, lease: Lease | str) -> None:
         with self._cond:
-            self.leases.discard(lease_id)
+            self.leases.discard(lease.lease_id if isinstance(lease, Lease) else lease)
 
     def _run(self) -> None:
         while True:

@@ -57,10 +57,16 @@ def register(subparsers) -> None:
     _add(serve, "--max-procs", E + "MAX_PROCS", 512, int, help_="RLIMIT_NPROC of commands (fork bombs)")
     _add(serve, "--max-file-bytes", E + "MAX_FILE_BYTES", 1 << 30, int, help_="RLIMIT_FSIZE of commands")
     _add(serve, "--max-memory-bytes", E + "MAX_MEMORY_BYTES", 0, int, help_="RLIMIT_AS of commands; 0: none")
+    _add(serve, "--cgroup-memory-bytes", E + "CGROUP_MEMORY_BYTES", 2 << 30, int,
+         help_="memory of all commands together, in a cgroup the server creates where it can "
+               "(root, writable cgroup fs); else the pod's limit bounds them; 0: no cgroup")
+    _add(serve, "--cgroup-pids", E + "CGROUP_PIDS", 1024, int,
+         help_="processes and threads of all commands together, in that cgroup")
     _add(serve, "--max-output-bytes", E + "MAX_OUTPUT_BYTES", 1 << 20, int, help_="output kept per stream")
     _add(serve, "--max-timeout-seconds", E + "MAX_TIMEOUT_SECONDS", 600.0, float)
     _add(serve, "--default-timeout-seconds", E + "DEFAULT_TIMEOUT_SECONDS", 60.0, float)
-    _add(serve, "--max-body-bytes", E + "MAX_BODY_BYTES", 16 << 20, int)
+    _add(serve, "--max-body-bytes", E + "MAX_BODY_BYTES", 4 << 20, int,
+         help_="largest request body (a write_file's content, an exec's stdin)")
     _add(serve, "--max-read-bytes", E + "MAX_READ_BYTES", 8 << 20, int)
     _add(serve, "--max-concurrent-execs", E + "MAX_CONCURRENT_EXECS", 64, int,
          help_="execs running at once; more wait their turn")
@@ -89,14 +95,19 @@ def register(subparsers) -> None:
     _add(gw, "--health-timeout-seconds", G + "HEALTH_TIMEOUT_SECONDS", 3.0, float)
     _add(gw, "--health-failures", G + "HEALTH_FAILURES", 2, int,
          help_="consecutive failed health checks that take a sandbox out")
-    _add(gw, "--max-body-bytes", G + "MAX_BODY_BYTES", 16 << 20, int)
+    _add(gw, "--max-body-bytes", G + "MAX_BODY_BYTES", 4 << 20, int)
     _add(gw, "--max-exec-seconds", G + "MAX_EXEC_SECONDS", 600.0, float,
          help_="upper bound of a proxied exec (the sandbox enforces its own)")
+    _add(gw, "--data-path", G + "DATA_PATH", "direct", help_="direct: clients call the leased sandbox "
+         "themselves (the lease gives its address); proxied: through the gateway (when the "
+         "trainer may not reach sandbox pods)")
     gw.set_defaults(func=serve_gateway)
 
 
 def _uvicorn_run(app, host: str, port: int) -> int:
     import uvicorn
+
+    from asyncgrpo.sandbox.http_guard import header_timeout_protocol
 
     uvicorn.run(
         app,
@@ -105,7 +116,9 @@ def _uvicorn_run(app, host: str, port: int) -> int:
         log_level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "warning").lower(),
         access_log=False,
         timeout_keep_alive=30,  # the gateway's client drops idle connections at 15 s
-        http="h11",  # h11 enforces the header size cap below; httptools would not
+        # h11 enforces the header size cap below (httptools would not); the subclass closes
+        # connections that do not finish their request head within 10 s
+        http=header_timeout_protocol(),
         backlog=4096,
         h11_max_incomplete_event_size=64 * 1024,  # caps request line + headers
     )
@@ -118,6 +131,9 @@ def serve_sandbox(args: argparse.Namespace) -> int:
 
     token = read_token(SANDBOX_TOKEN_ENV, args.token_file)
     as_root = os.geteuid() == 0
+    if as_root and (args.command_uid == 0 or args.command_gid == 0):
+        raise SystemExit("sandbox: --command-uid/--command-gid 0 would run commands as root, with the "
+                         "server's rights over its own files and token; give an unprivileged id")
     limits = CommandLimits(
         max_procs=args.max_procs,
         max_file_bytes=args.max_file_bytes,
@@ -130,10 +146,14 @@ def serve_sandbox(args: argparse.Namespace) -> int:
     limits = inherit_limits(limits)
     hardening = harden_server_process()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    from asyncgrpo.sandbox.cgroup import CommandCgroup
+
+    cgroup = CommandCgroup.create(args.cgroup_memory_bytes, args.cgroup_pids) if as_root else None
     logging.getLogger("asyncgrpo.sandbox").info(
-        "sandbox server on %s:%s workspace=%s commands as %s hardening=%s",
+        "sandbox server on %s:%s workspace=%s commands as %s hardening=%s cgroup=%s",
         args.host, args.port, args.workspace,
         f"uid {limits.uid}" if as_root else "the server's uid", hardening,
+        cgroup.describe() if cgroup else "none (the pod's limits bound commands)",
     )
     settings = ServerSettings(
         workspace=args.workspace,
@@ -147,6 +167,7 @@ def serve_sandbox(args: argparse.Namespace) -> int:
         max_concurrent_execs=args.max_concurrent_execs,
         shell=args.shell,
         limits=limits,
+        cgroup=cgroup,
     )
     return _uvicorn_run(create_app(settings), args.host, args.port)
 
@@ -179,13 +200,24 @@ def _check_traversable(path: str, uid: int, gid: int | None) -> None:
 
 
 def serve_gateway(args: argparse.Namespace) -> int:
-    from asyncgrpo.sandbox.gateway import GatewaySettings, create_gateway
+    from asyncgrpo.sandbox.gateway import create_gateway
     from asyncgrpo.sandbox.members import member_source_from_args
 
     token = read_token(GATEWAY_TOKEN_ENV, args.token_file)
     sandbox_token = read_token(SANDBOX_TOKEN_ENV, args.sandbox_token_file)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    settings = GatewaySettings(
+    try:
+        settings = _gateway_settings(args, token, sandbox_token)
+    except ValueError as err:
+        raise SystemExit(f"gateway: {err}") from err
+    source = member_source_from_args(args)
+    return _uvicorn_run(create_gateway(settings, source), args.host, args.port)
+
+
+def _gateway_settings(args: argparse.Namespace, token: str, sandbox_token: str):
+    from asyncgrpo.sandbox.gateway import GatewaySettings
+
+    return GatewaySettings(
         token=token,
         sandbox_token=sandbox_token,
         lease_ttl_seconds=args.lease_ttl_seconds,
@@ -196,6 +228,5 @@ def serve_gateway(args: argparse.Namespace) -> int:
         health_failures=args.health_failures,
         max_body_bytes=args.max_body_bytes,
         max_exec_seconds=args.max_exec_seconds,
+        data_path=args.data_path,
     )
-    source = member_source_from_args(args)
-    return _uvicorn_run(create_gateway(settings, source), args.host, args.port)

@@ -33,7 +33,14 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-from asyncgrpo.sandbox.client import GatewayClient, Heartbeats, LeaseLost, NoSandbox, SandboxError
+from asyncgrpo.sandbox.client import (
+    GatewayClient,
+    Heartbeats,
+    LeaseLost,
+    NoSandbox,
+    SandboxError,
+    shared_client,
+)
 from asyncgrpo.sandbox.rewards import score_test_run
 
 TOOL_NAMES = ("shell", "python", "read_file", "write_file")
@@ -97,16 +104,10 @@ class _Groups:
 
 
 _GROUPS = _Groups()
-_CLIENTS: dict[str, GatewayClient] = {}
-_CLIENTS_LOCK = threading.Lock()
 
 
 def _client(url: str | None) -> GatewayClient:
-    with _CLIENTS_LOCK:
-        key = url or ""
-        if key not in _CLIENTS:
-            _CLIENTS[key] = GatewayClient(url)
-        return _CLIENTS[key]
+    return shared_client(url)
 
 
 def _row_key(row: dict) -> str:

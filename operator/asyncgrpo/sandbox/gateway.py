@@ -1,16 +1,26 @@
 """The per-run gateway: the one address the trainer needs for sandboxes.
 
-It leases sandboxes to rollout groups, forwards exec and file calls to the leased sandbox
-(so the Kubernetes API server is never on the exec path), takes sandboxes back when the
-group releases or goes quiet, and publishes the demand signal the operator scales on.
-HTTP only translates; every decision about sandboxes and leases is in `pool.Pool`.
+It leases sandboxes to rollout groups, takes them back when the group releases or goes
+quiet, checks their health, and publishes the demand signal the operator scales on. HTTP
+only translates; every decision about sandboxes and leases is in `pool.Pool`.
+
+A lease is a capability: the lease answer carries a secret that the leased sandbox alone
+accepts, for that lease alone. With `data_path="direct"` (default) it also carries the
+sandbox's address, and the client sends execs and file calls straight there: the gateway
+is off the data path. With `data_path="proxied"` (for clusters where the trainer may not
+reach sandbox pods) the gateway forwards them, the lease secret still being the credential.
+Every call on a lease (heartbeat, release, data calls) needs that lease's secret; the
+run-wide gateway token opens only the control calls (lease, pool listing, drain).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import re
+import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,14 +31,17 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncgrpo.sandbox.http_guard import GuardMiddleware, parse_body
+from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
 from asyncgrpo.sandbox.metrics import GatewayMetrics
 from asyncgrpo.sandbox.pool import LeaseGone, Member, NoSandbox, Pool
 
 log = logging.getLogger("asyncgrpo.sandbox.gateway")
 
-# extra time a proxied exec may take beyond its own timeout (kill, transfer, queueing)
-_EXEC_SLACK_SECONDS = 30.0
+# extra time a proxied exec may take beyond its own timeout (kill, drain, transfer); the
+# sandbox counts its queueing in the timeout, so a sandbox silent past this is hung
+EXEC_SLACK_SECONDS = 5.0
+_FILE_CALL_SECONDS = 60.0
+_LEASE_PATH = re.compile(r"^/v1/leases/([^/]+)(/[a-z/]*)?$")
 
 
 @dataclass
@@ -41,9 +54,14 @@ class GatewaySettings:
     health_interval_seconds: float = 5.0
     health_timeout_seconds: float = 3.0
     health_failures: int = 2
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = 4 << 20
     max_exec_seconds: float = 600.0
     reset_timeout_seconds: float = 120.0
+    data_path: str = "direct"  # or "proxied": see the module docstring
+
+    def __post_init__(self):
+        if self.data_path not in ("direct", "proxied"):
+            raise ValueError(f"data_path must be 'direct' or 'proxied', not {self.data_path!r}")
 
 
 class LeaseRequest(BaseModel):
@@ -83,9 +101,12 @@ class _Upstream:
             connector=aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=15),
         )
 
-    async def request(self, method: str, url: str, timeout: float, body: bytes | None = None) -> tuple[int, bytes]:
+    async def request(self, method: str, url: str, timeout: float, body: bytes | None = None,
+                      secret: str | None = None) -> tuple[int, bytes]:
+        """`secret`: a lease's, replacing the run token (the data calls of that lease)."""
         t = aiohttp.ClientTimeout(total=timeout, sock_connect=5.0)
-        async with self.session.request(method, url, data=body, timeout=t) as r:
+        headers = {"authorization": f"Bearer {secret}"} if secret else None
+        async with self.session.request(method, url, data=body, timeout=t, headers=headers) as r:
             return r.status, await r.read()
 
     async def close(self) -> None:
@@ -101,8 +122,14 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
     http = _Upstream(settings.sandbox_token)
 
     async def reset_member(m: Member) -> bool:
+        """Reset the sandbox and install the secret of its next lease (one reset, one secret)."""
+        secret = secrets.token_urlsafe(32)
+        body = b'{"lease_secret": "' + secret.encode() + b'"}'
+        m.next_secret = None
         try:
-            status, _ = await http.request("POST", f"{m.url}/v1/reset", settings.reset_timeout_seconds)
+            status, _ = await http.request("POST", f"{m.url}/v1/reset", settings.reset_timeout_seconds, body)
+            if status == 200:
+                m.next_secret = secret
             return status == 200
         except (TimeoutError, *_CONNECTION_ERRORS) as err:
             log.warning("reset of %s failed: %s", m.name, err)
@@ -163,27 +190,49 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
 
     app = FastAPI(title="asyncgrpo sandbox gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
 
+    async def until_disconnected(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     @app.post("/v1/leases")
     async def lease(request: Request):
         req = await parse_body(request, LeaseRequest)
         wait = min(settings.max_wait_seconds if req.wait_seconds is None else req.wait_seconds,
                    settings.max_wait_seconds)
+        acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
-            lease, joined = await pool.acquire(req.group_id, wait)
+            # a client that hangs up while waiting gives its place in the queue up
+            await asyncio.wait({acquiring, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not acquiring.done():
+                acquiring.cancel()
+        if acquiring.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        try:
+            lease, joined = acquiring.result()
         except NoSandbox:
             return JSONResponse(
                 {"error": "no_sandbox", "detail": f"no sandbox free within {wait:g}s", "demand": _small(pool)},
                 status_code=503, headers={"retry-after": "1"},
             )
-        return {
+        member = pool.members[lease.member]
+        body = {
             "lease_id": lease.id,
+            "secret": lease.secret,
             "group_id": lease.group_id,
             "sandbox": lease.member,
+            "data_path": settings.data_path,
             "holders": lease.holders,
             "joined": joined,
             "ttl_seconds": settings.lease_ttl_seconds,
+            "exec_slack_seconds": EXEC_SLACK_SECONDS,
             "waited_seconds": round(lease.waited_seconds, 6),
         }
+        if settings.data_path == "direct":
+            body["sandbox_url"] = member.url
+        return body
 
     @app.post("/v1/leases/{lease_id}/heartbeat")
     async def heartbeat(lease_id: str):
@@ -200,6 +249,20 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
         except LeaseGone as err:
             return _gone(err)
 
+    @app.post("/v1/leases/{lease_id}/lost")
+    async def report_lost(lease_id: str):
+        """A direct call to the leased sandbox got no answer in time: check it now, eject if down."""
+        try:
+            lease, member = pool.get(lease_id)
+        except LeaseGone as err:
+            return _gone(err)
+        alive, reason, _slow = await healthy(member)
+        if alive:
+            return {"lease_id": lease_id, "ended": False, "sandbox": member.name}
+        if pool.leases.get(lease_id) is lease:
+            pool.lost(member.name, f"reported by the lease holder; {reason}")
+        return _gone(LeaseGone(lease_id, "sandbox_lost"))
+
     async def forward(lease_id: str, request: Request, path: str) -> Response:
         body = await request.body()
         # looked up after the last await before the call: between here and `in_flight += 1`
@@ -208,29 +271,33 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
             lease, member = pool.get(lease_id)
         except LeaseGone as err:
             return _gone(err)
-        timeout = settings.max_exec_seconds + _EXEC_SLACK_SECONDS
+        timeout = _FILE_CALL_SECONDS
         if path == "/v1/exec":
             # the sandbox must give up before we do: cap the exec's own timeout at ours, so a
             # slow command ends as a timed-out result and never as a dropped connection
             try:
-                doc = json.loads(body)
+                doc = loads(body)
                 asked = doc.get("timeout_seconds") or settings.max_exec_seconds
                 doc["timeout_seconds"] = min(float(asked), settings.max_exec_seconds)
                 body = json.dumps(doc).encode()
-                timeout = doc["timeout_seconds"] + _EXEC_SLACK_SECONDS
-            except (ValueError, TypeError, AttributeError):
+                timeout = doc["timeout_seconds"] + EXEC_SLACK_SECONDS
+            except (ValueError, TypeError, AttributeError, OverflowError):
                 pass  # the sandbox refuses the body itself, with its own error
         lease.in_flight += 1
         lease.last_seen = pool.clock()
         t0 = time.monotonic()
         try:
-            status, content = await http.request("POST", member.url + path, timeout, body)
+            status, content = await http.request("POST", member.url + path, timeout, body, secret=lease.secret)
         except TimeoutError:
-            # slow, not necessarily dead: the health check decides about the sandbox
+            # the sandbox bounds every call by its timeout (queueing included): silence past
+            # that plus the slack means it is hung, not slow. Out now, the group leases again.
             metrics.proxy_errors.inc()
+            if pool.leases.get(lease_id) is lease:
+                pool.lost(member.name, f"{path} got no answer within {timeout:g}s")
             return JSONResponse(
-                {"error": "sandbox_timeout", "lease_id": lease_id, "sandbox": member.name,
-                 "detail": f"no answer within {timeout:g}s"}, status_code=504)
+                {"error": "sandbox_lost", "lease_id": lease_id, "sandbox": member.name,
+                 "detail": f"the sandbox did not answer within {timeout:g}s and was taken out; "
+                           "its state is lost: lease again"}, status_code=504)
         except _CONNECTION_ERRORS as err:
             metrics.proxy_errors.inc()
             alive, _, _ = await healthy(member)
@@ -272,6 +339,7 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
 
     @app.get("/v1/pool")
     async def pool_view():
+        """For people and the operator: states and ids, never a secret or a group's name."""
         now = pool.clock()
         return {
             "members": [
@@ -280,7 +348,7 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
                 for m in pool.members.values()
             ],
             "leases": [
-                {"lease_id": lease.id, "group_id": lease.group_id, "sandbox": lease.member,
+                {"lease_id": lease.id, "sandbox": lease.member,
                  "holders": lease.holders, "in_flight": lease.in_flight,
                  "idle_seconds": round(now - lease.last_seen, 3)}
                 for lease in pool.leases.values()
@@ -299,10 +367,27 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
     async def prom():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    token = settings.token.encode()
+
+    def authorize(path: str, presented: str | None) -> Grant | None:
+        """Lease routes open with that lease's secret only; the rest with the run token."""
+        if presented is None:
+            return None
+        m = _LEASE_PATH.match(path)
+        if m is None:
+            return Grant("control") if hmac.compare_digest(presented.encode(), token) else None
+        verdict = pool.check(m.group(1), presented)
+        if verdict == "ok":
+            return Grant("lease", lease_id=m.group(1))
+        if verdict == "refused":
+            return None
+        err = _gone(LeaseGone(m.group(1), verdict))
+        raise Refused(err.status_code, loads(err.body)["error"], loads(err.body)["detail"])
+
     app.state.pool = pool
     return GuardMiddleware(
         app,
-        token=settings.token,
+        authorize=authorize,
         max_body_bytes=settings.max_body_bytes,
         open_paths=frozenset({"/healthz", "/metrics", "/v1/demand"}),
         on_reject=lambda reason: metrics.rejected.labels(reason=reason).inc(),

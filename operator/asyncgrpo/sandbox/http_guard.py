@@ -1,19 +1,44 @@
-"""Guards every HTTP server here shares: bearer-token auth and a request body cap.
+"""Guards every HTTP server here shares: bearer auth, a request body cap, a body read timeout.
 
-Both are plain ASGI middleware so they act before FastAPI parses anything: a request with
-no or the wrong token never reaches a handler (401), and a body over the cap is refused
-(413) after reading at most the cap, whether or not the client sent Content-Length.
+Plain ASGI middleware so they act before FastAPI parses anything: a request with no or the
+wrong credential never reaches a handler (401), a body over the cap is refused (413) after
+reading at most the cap, whether or not the client sent Content-Length, and a client that
+stops sending its body mid-way gets 408 instead of holding a worker forever.
+
+Who may call what is one function, `authorize(path, bearer) -> Grant | None`: the gateway
+and the sandbox each pass their own (run token for control calls, a lease's secret for the
+data calls of that lease), and the grant rides along in the ASGI scope for the handler.
 Health and metrics stay open on purpose: kubelet probes and Prometheus scrapes cannot send
 a per-run secret, and neither route reveals or changes anything sensitive.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 OPEN_PATHS: frozenset[str] = frozenset({"/healthz", "/metrics"})
+GRANT_SCOPE_KEY = "asyncgrpo.grant"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a credential allowed: `kind` is control or lease; `generation` pins a lease."""
+
+    kind: str
+    generation: int = 0
+    lease_id: str = ""
+
+
+class Refused(Exception):
+    """Raised by an `authorize` function to answer something other than 401 (e.g. 410)."""
+
+    def __init__(self, status: int, error: str, detail: str):
+        super().__init__(detail)
+        self.status, self.error, self.detail = status, error, detail
 
 
 async def _send_json(send, status: int, body: dict, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
@@ -32,29 +57,50 @@ async def _send_json(send, status: int, body: dict, headers: Iterable[tuple[byte
     await send({"type": "http.response.body", "body": payload})
 
 
-def token_matches(header_value: str | None, token: str) -> bool:
+def bearer(header_value: str | None) -> str | None:
     if not header_value or not header_value.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header_value[7:].strip().encode(), token.encode())
+        return None
+    return header_value[7:].strip() or None
+
+
+def token_matches(header_value: str | None, token: str) -> bool:
+    presented = bearer(header_value)
+    return presented is not None and hmac.compare_digest(presented.encode(), token.encode())
+
+
+def run_token(token: str) -> Callable[[str, str | None], Grant | None]:
+    """The plain policy: every non-open path needs the one run-wide token."""
+    if not token:
+        raise ValueError("a non-empty token is required")
+
+    def authorize(_path: str, presented: str | None) -> Grant | None:
+        if presented is not None and hmac.compare_digest(presented.encode(), token.encode()):
+            return Grant("control")
+        return None
+
+    return authorize
 
 
 class GuardMiddleware:
-    """401 without the run's token, 413 over `max_body_bytes`; `on_reject(reason)` counts."""
+    """401 unless `authorize` grants, 413 over `max_body_bytes`, 408 on a stalled body."""
 
     def __init__(
         self,
         app,
         *,
-        token: str,
+        token: str | None = None,
+        authorize: Callable[[str, str | None], Grant | None] | None = None,
         max_body_bytes: int,
+        body_timeout_seconds: float = 30.0,
         open_paths: frozenset[str] = OPEN_PATHS,
         on_reject: Callable[[str], None] | None = None,
     ):
-        if not token:
-            raise ValueError("a non-empty token is required")
+        if authorize is None:
+            authorize = run_token(token or "")
         self.app = app
-        self.token = token
+        self.authorize = authorize
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout_seconds
         self.open_paths = open_paths
         self.on_reject = on_reject or (lambda reason: None)
 
@@ -62,14 +108,19 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if scope["path"] not in self.open_paths and not token_matches(
-            headers.get("authorization"), self.token
-        ):
-            self.on_reject("unauthorized")
-            return await _send_json(
-                send, 401, {"error": "unauthorized", "detail": "missing or wrong bearer token"},
-                [(b"www-authenticate", b"Bearer")],
-            )
+        if scope["path"] not in self.open_paths:
+            try:
+                grant = self.authorize(scope["path"], bearer(headers.get("authorization")))
+            except Refused as err:
+                self.on_reject(err.error)
+                return await _send_json(send, err.status, {"error": err.error, "detail": err.detail})
+            if grant is None:
+                self.on_reject("unauthorized")
+                return await _send_json(
+                    send, 401, {"error": "unauthorized", "detail": "missing or wrong bearer token"},
+                    [(b"www-authenticate", b"Bearer")],
+                )
+            scope[GRANT_SCOPE_KEY] = grant
         declared = headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -81,7 +132,13 @@ class GuardMiddleware:
         body = bytearray()
         more = True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                self.on_reject("body_timeout")
+                return await _send_json(send, 408, {"error": "body_timeout",
+                                                    "detail": f"body not received within {self.body_timeout:g}s"},
+                                        [(b"connection", b"close")])
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
@@ -104,18 +161,82 @@ class GuardMiddleware:
         return {"error": "too_large", "detail": f"request body over {self.max_body_bytes} bytes"}
 
 
+def grant_of(request) -> Grant:
+    return request.scope[GRANT_SCOPE_KEY]
+
+
 async def parse_body(request, model):
-    """JSON body -> pydantic model whatever the Content-Type; 400 bad JSON, 422 bad fields."""
+    """JSON body -> pydantic model whatever the Content-Type; 400 bad or too deep JSON, 422 bad fields."""
     from fastapi import HTTPException
     from pydantic import ValidationError
 
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
+        data = loads(raw)
+    except ValueError as err:
         raise HTTPException(400, detail={"error": "bad_json", "detail": str(err)[:200]}) from err
     try:
         return model.model_validate(data)
     except ValidationError as err:
         detail = [{"loc": e["loc"], "msg": e["msg"]} for e in err.errors()[:10]]
         raise HTTPException(422, detail={"error": "invalid_request", "detail": detail}) from err
+
+
+def loads(raw: bytes):
+    """json.loads whose every failure is a ValueError.
+
+    The parser recurses per nesting level and raises RecursionError (not a ValueError) at
+    Python's recursion limit: 200k nested brackets were a 500 before this.
+    """
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(f"{type(err).__name__}: {err}") from err
+
+
+HEADER_TIMEOUT_SECONDS = 10.0
+
+
+def header_timeout_protocol(seconds: float = HEADER_TIMEOUT_SECONDS):
+    """uvicorn's h11 protocol, closing a connection that does not finish a request head in time.
+
+    uvicorn times out idle keep-alive connections but not a client that opens a connection
+    and sends its request line and headers a byte at a time: each such client held a
+    connection (and a file descriptor) for as long as it liked.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:
+                if self._head_timer is None:
+                    self._arm()
+            else:
+                self._disarm()
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expired(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutH11

@@ -14,13 +14,21 @@ method here and nothing else writes `state`):
 - a sandbox is never handed out while dirty: every lease end goes through reset, and so
   does every member's first appearance (a restarted gateway cannot know what ran before);
 - waiting requests are served first come, first served; the requests of one group that
-  arrive while the group waits share that one wait, so a group never takes two sandboxes.
+  arrive while the group waits share that one wait, so a group never takes two sandboxes;
+  a waiter that goes away (its client disconnected) leaves the queue, and a lease granted
+  to it in that instant is released again;
+- a lease is a capability: its secret is made by the gateway when the member is reset and
+  installed in the sandbox by that reset, handed to exactly one lease, and dies with it
+  (the sandbox revokes it at the next reset, before anything else). The lease id alone
+  opens nothing; listings never show a secret.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -56,6 +64,8 @@ class Member:
     reason: str = ""
     since: float = field(default_factory=time.monotonic)
     drain: bool = False
+    # the secret the sandbox will accept for its next lease, set by the reset that installed it
+    next_secret: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -68,6 +78,14 @@ class Lease:
     holders: int = 1
     in_flight: int = 0
     waited_seconds: float = 0.0
+    secret: str = field(default="", repr=False)
+
+    def opens(self, presented: str | None) -> bool:
+        return bool(presented) and hmac.compare_digest(presented.encode(), self.secret.encode())
+
+
+def digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
 
 
 class Pool:
@@ -83,7 +101,9 @@ class Pool:
         self.members: dict[str, Member] = {}
         self.leases: dict[str, Lease] = {}
         self.by_group: dict[str, str] = {}
-        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # lease id -> (how it ended, digest of its secret): late callers holding the secret
+        # learn why; anyone else learns nothing
+        self.ended: collections.OrderedDict[str, tuple[str, bytes]] = collections.OrderedDict()
         self._waiters: collections.deque[tuple[asyncio.Future, str]] = collections.deque()
         self._group_waits: dict[str, asyncio.Future] = {}
         self._reset_fn = reset_fn
@@ -189,6 +209,13 @@ class Pool:
             if not fut.done():
                 self.metrics.lease_timeouts.inc()
                 raise NoSandbox(group_id) from None
+        except asyncio.CancelledError:
+            # the requester went away; if a sandbox was granted in that instant, give it back
+            if fut.done() and not fut.cancelled():
+                lease = self.leases.get(fut.result())
+                if lease is not None:
+                    self.release(lease.id)
+            raise
         finally:
             if self._group_waits.get(group_id) is fut:
                 del self._group_waits[group_id]
@@ -218,7 +245,11 @@ class Pool:
 
     def _grant(self, m: Member, group_id: str, t0: float) -> Lease:
         now = self.clock()
-        lease = Lease(secrets.token_urlsafe(12), group_id, m.name, now, now, waited_seconds=now - t0)
+        if not m.next_secret:  # only a member whose reset installed a secret is ever warm
+            raise RuntimeError(f"member {m.name} is warm without a lease secret")
+        lease = Lease(secrets.token_urlsafe(12), group_id, m.name, now, now, waited_seconds=now - t0,
+                      secret=m.next_secret)
+        m.next_secret = None  # one secret, one lease
         self.leases[lease.id] = lease
         self.by_group[group_id] = lease.id
         m.state, m.lease_id, m.since = BUSY, lease.id, now
@@ -238,8 +269,22 @@ class Pool:
     def get(self, lease_id: str) -> tuple[Lease, Member]:
         lease = self.leases.get(lease_id)
         if lease is None:
-            raise LeaseGone(lease_id, self.ended.get(lease_id, "unknown"))
+            raise LeaseGone(lease_id, self.ended.get(lease_id, ("unknown", b""))[0])
         return lease, self.members[lease.member]
+
+    def check(self, lease_id: str, presented: str | None) -> str:
+        """'ok' if `presented` is this live lease's secret, the end reason if it was the secret
+        of an ended lease, 'unknown' for an id this gateway never granted (it restarted: the
+        caller should lease again), else 'refused' (a wrong secret, or a lease id alone)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            return "ok" if lease.opens(presented) else "refused"
+        if lease_id not in self.ended:
+            return "unknown"
+        how, known = self.ended[lease_id]
+        if presented and hmac.compare_digest(digest(presented), known):
+            return how
+        return "refused"
 
     def touch(self, lease_id: str) -> Lease:
         lease, _ = self.get(lease_id)
@@ -273,7 +318,7 @@ class Pool:
             return
         if self.by_group.get(lease.group_id) == lease_id:
             del self.by_group[lease.group_id]
-        self.ended[lease_id] = how
+        self.ended[lease_id] = (how, digest(lease.secret))
         while len(self.ended) > 100_000:
             self.ended.popitem(last=False)
         self.metrics.leases_ended.labels(how=how if how != "sandbox_lost" else "broken").inc()

@@ -20,17 +20,27 @@ memory in this process, and leave nothing behind:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import os
 import resource
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncgrpo.sandbox.cgroup import CommandCgroup
 
 _READ_CHUNK = 64 * 1024
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+class Revoked(Exception):
+    """The call's lease ended before the call could start."""
 
 
 @dataclass(frozen=True)
@@ -291,6 +301,7 @@ class Runner:
     """Starts commands under `limits` and remembers which pids are its own direct children."""
 
     limits: CommandLimits
+    cgroup: CommandCgroup | None = None  # commands are born inside it (memory, pids of all together)
     live: set[int] = field(default_factory=set)
     # held from fork until the pid is in `live`, so the orphan reaper never mistakes a
     # just-spawned child of ours (not yet tracked) for an orphan and steals its exit status
@@ -300,10 +311,21 @@ class Runner:
         async with self._spawn_lock:
             return reap_orphans(frozenset(self.live))
 
-    async def sweep(self) -> int:
-        """Kill every process any command left behind (used by reset)."""
+    async def sweep(self, wait_seconds: float = 10.0) -> int:
+        """Kill every process any command left behind, and wait until they are dead (reset).
+
+        Holds the spawn lock throughout, so no command starts while the sweep runs; a
+        command admitted before it is one of the processes killed. "Dead" means no live
+        (non-zombie) descendant is left: a process killed mid-write finishes that one
+        system call before it dies, so the workspace is wiped only after this returns.
+        """
         async with self._spawn_lock:
-            return kill_all_descendants(frozenset(self.live))
+            killed = kill_all_descendants(frozenset(self.live))
+            deadline = time.monotonic() + wait_seconds
+            while descendants(os.getpid()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+                killed += kill_all_descendants(frozenset(self.live))
+            return killed
 
     async def run(
         self,
@@ -314,26 +336,21 @@ class Runner:
         stdin: bytes | None,
         timeout: float,
         max_output_bytes: int,
+        admit: Callable[[], bool] = lambda: True,
     ) -> ExecResult:
+        """Run `argv`; `admit()` is asked under the spawn lock, right before the fork.
+
+        The sandbox passes "is this call's lease still the current one": a call that waited
+        for a slot while its lease was revoked and the sandbox reset never starts (`Revoked`).
+        """
         started = time.monotonic()
         lim = self.limits
         loop = asyncio.get_running_loop()
         async with self._spawn_lock:
-            transport, protocol = await loop.subprocess_exec(
-                lambda: _ExitAwareProtocol(loop),
-                *argv,
-                cwd=cwd,
-                env=env,
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                close_fds=True,
-                user=lim.uid,
-                group=lim.gid,
-                extra_groups=[] if lim.uid is not None else None,
-                preexec_fn=None if lim.inherited and not lim.max_memory_bytes else (lambda: _child_setup(lim)),
-            )
+            if not admit():
+                raise Revoked("the lease this call was made under has ended")
+            with self.cgroup.spawning() if self.cgroup else contextlib.nullcontext():
+                transport, protocol = await _spawn(loop, argv, cwd, env, stdin, lim)
             proc = asyncio.subprocess.Process(transport, protocol, loop)
             self.live.add(proc.pid)
         out, err = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
@@ -385,6 +402,24 @@ class Runner:
             duration_seconds=time.monotonic() - started,
             killed_processes=killed,
         )
+
+
+async def _spawn(loop, argv, cwd, env, stdin, lim: CommandLimits):
+    return await loop.subprocess_exec(
+        lambda: _ExitAwareProtocol(loop),
+        *argv,
+        cwd=cwd,
+        env=env,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        close_fds=True,
+        user=lim.uid,
+        group=lim.gid,
+        extra_groups=[] if lim.uid is not None else None,
+        preexec_fn=None if lim.inherited and not lim.max_memory_bytes else (lambda: _child_setup(lim)),
+    )
 
 
 class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):

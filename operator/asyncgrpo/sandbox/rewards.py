@@ -119,7 +119,7 @@ def sandbox_tests(
     are None and a warning is logged: TRL then drops the group as unscorable instead of the
     rollout worker dying on a passing infrastructure problem.
     """
-    from asyncgrpo.sandbox.client import GatewayClient, LeaseLost, SandboxError
+    from asyncgrpo.sandbox.client import Heartbeats, LeaseLost, SandboxError, shared_client
 
     n = len(completions)
     commands = _per_row(test_command, n)
@@ -128,39 +128,41 @@ def sandbox_tests(
     rewards: list[float | None] = [None] * n
     if not todo:
         return rewards
-    client = GatewayClient(gateway_url)
-    try:
-        for attempt in range(2):  # one retry on a fresh sandbox if the first one is lost
-            try:
-                lease = client.lease(f"reward-{uuid.uuid4().hex}", wait_seconds=lease_wait_seconds)
-            except SandboxError as err:
-                log.warning("sandbox_tests: no sandbox (%s); group left unscored", err)
-                return [None] * n
-            try:
-                def run(i: int, lease_id: str = lease.lease_id) -> float:
-                    session = f"t{i}"
-                    for path, content in _files(row_files[i]).items():
-                        client.write_file(lease_id, path, content, session=session)
-                    text = _text(completions[i])
-                    client.write_file(lease_id, solution_path, extract_code(text) if extract else text,
-                                      session=session)
-                    r = client.exec(lease_id, commands[i], timeout_seconds=timeout_seconds,
-                                    session=session, max_output_bytes=65536)
-                    return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"]).reward
+    client = shared_client(gateway_url)
+    for attempt in range(2):  # one retry on a fresh sandbox if the first one is lost
+        try:
+            lease = client.lease(f"reward-{uuid.uuid4().hex}", wait_seconds=lease_wait_seconds)
+        except SandboxError as err:
+            log.warning("sandbox_tests: no sandbox (%s); group left unscored", err)
+            return [None] * n
+        # the gateway sees no calls on the direct data path: heartbeats keep the lease
+        # through test runs longer than its TTL
+        beats = Heartbeats.for_client(client, max(0.5, lease.ttl_seconds / 4))
+        beats.add(lease)
+        try:
+            def run(i: int, lease_id: str = lease.lease_id) -> float:
+                session = f"t{i}"
+                for path, content in _files(row_files[i]).items():
+                    client.write_file(lease_id, path, content, session=session)
+                text = _text(completions[i])
+                client.write_file(lease_id, solution_path, extract_code(text) if extract else text,
+                                  session=session)
+                r = client.exec(lease_id, commands[i], timeout_seconds=timeout_seconds,
+                                session=session, max_output_bytes=65536)
+                return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"]).reward
 
-                with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
-                    for i, reward in zip(todo, pool.map(run, todo)):
-                        rewards[i] = reward
-                return rewards
-            except LeaseLost:
-                if attempt == 1:
-                    log.warning("sandbox_tests: sandbox lost twice; group left unscored")
-                    return [None] * n
-            finally:
-                try:
-                    client.release(lease.lease_id, all_holders=True)
-                except Exception:  # noqa: BLE001, S110 - gone already: the gateway resets it anyway
-                    pass
-    finally:
-        client.close()
+            with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+                for i, reward in zip(todo, pool.map(run, todo)):
+                    rewards[i] = reward
+            return rewards
+        except LeaseLost:
+            if attempt == 1:
+                log.warning("sandbox_tests: sandbox lost twice; group left unscored")
+                return [None] * n
+        finally:
+            beats.discard(lease)
+            try:
+                client.release(lease, all_holders=True)
+            except Exception:  # noqa: BLE001, S110 - gone already: the gateway resets it anyway
+                pass
     return rewards

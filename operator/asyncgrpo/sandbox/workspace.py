@@ -113,6 +113,35 @@ class Workspace:
             os.close(fd)
             raise
 
+    def confined_dir(self, session: str | None, path: str | None) -> str:
+        """The session directory, or a directory below it reached without any symlink.
+
+        Used for an exec's cwd: `a/link` pointing elsewhere would start the command outside
+        its session. (The command may `cd` anywhere afterwards: the pod is its boundary;
+        this keeps the request's meaning exact.)
+        """
+        home = self.session_dir(session)
+        if not path:
+            return home
+        parts = split_path(path)
+        fd = self._open_parent(session, [*parts, "."], create=False)
+        os.close(fd)
+        return os.path.join(home, *parts)
+
+    def _check_owned(self, fd: int, path: str) -> os.stat_result:
+        """Root mode: refuse a file the commands' uid does not own, or one with other names.
+
+        The server opens files as root: a hardlink a command made to a root-owned file
+        outside the workspace (`ln /etc/shadow x`) would otherwise be read, written and
+        chowned with root's rights.
+        """
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PathRefused(f"{path!r} is not a regular file")
+        if self.uid is not None and (st.st_uid != self.uid or st.st_nlink != 1):
+            raise PathRefused(f"{path!r} is hardlinked or not owned by the sandbox's user")
+        return st
+
     def read(self, session: str | None, path: str, max_bytes: int) -> tuple[bytes, int]:
         """Return (up to max_bytes of the file, its full size)."""
         parts = split_path(path)
@@ -126,9 +155,7 @@ class Workspace:
         finally:
             os.close(dfd)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise PathRefused(f"{path!r} is not a regular file")
+            st = self._check_owned(fd, path)
             chunks, got = [], 0
             while got < max_bytes:
                 chunk = os.read(fd, min(1 << 20, max_bytes - got))
@@ -143,22 +170,28 @@ class Workspace:
     def write(self, session: str | None, path: str, data: bytes, mode: int = 0o644) -> int:
         parts = split_path(path)
         dfd = self._open_parent(session, parts, create=True)
+        # never O_TRUNC: the file is checked (regular, ours, one name) before it is changed
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
             try:
-                fd = os.open(parts[-1], flags, mode & 0o777, dir_fd=dfd)
-            except OSError as err:
-                if err.errno == errno.ELOOP:
-                    raise PathRefused(f"{path!r} is a symlink") from err
-                if err.errno == errno.EISDIR:
-                    raise PathRefused(f"{path!r} is a directory") from err
-                raise
+                fd = os.open(parts[-1], flags | os.O_CREAT | os.O_EXCL, mode & 0o777, dir_fd=dfd)
+                created = True
+            except FileExistsError:
+                fd = os.open(parts[-1], flags, dir_fd=dfd)
+                created = False
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise PathRefused(f"{path!r} is a symlink") from err
+            if err.errno in (errno.EISDIR, errno.ENXIO):  # ENXIO: a FIFO nobody reads
+                raise PathRefused(f"{path!r} is a directory or not a regular file") from err
+            raise
         finally:
             os.close(dfd)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise PathRefused(f"{path!r} is not a regular file")
-            self._fchown(fd)
+            if created:
+                self._fchown(fd)
+            self._check_owned(fd, path)
+            os.ftruncate(fd, 0)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]

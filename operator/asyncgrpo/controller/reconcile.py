@@ -331,11 +331,12 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         # a refused creation (missing RuntimeClass, quota): retry later, not every tick
         error, plan = state.pool_error[1], pool.Plan(0, plan.delete, plan.replace, plan.live,
                                                      plan.target)
-    for _ in range(plan.create):
-        body = sandboxes.build_pod(run, sandboxes.random_suffix())
+    taken = {p.name for p in pods} | adds
+    prefix = sandboxes.pod_prefix(run)
+    for pod in pool.free_names(prefix, taken, plan.create):
+        body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"))
         kopf.adopt(body, owner=owner)
-        pod = body["metadata"]["name"]
-        rt.expectations.expect_create(key, pod)
+        rt.expectations.expect_create(key, pod)   # kept on AlreadyExists: it exists
         try:
             if rt.kube.create(body) is not None:
                 created += 1

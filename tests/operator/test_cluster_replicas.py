@@ -4,6 +4,7 @@ two peered replicas never both act. Each test runs its own operators on its own 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -133,12 +134,14 @@ class OperatorProcess:
 
     def stop(self, graceful: bool = True) -> None:
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)   # in case a test froze it
             if graceful:
                 self.proc.terminate()   # SIGTERM, as the kubelet stops a pod
             else:
                 self.proc.kill()        # SIGKILL: no goodbye, the Lease must expire
             self.proc.wait(timeout=60)
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
 
 
 def holder(api, ns) -> str:
@@ -175,12 +178,14 @@ class PoolWatch:
         return self.most
 
 
-@pytest.mark.parametrize("graceful", [True, False], ids=["sigterm", "sigkill"])
+@pytest.mark.parametrize("how", ["sigterm", "sigkill", "sigstop"])
 def test_two_elected_replicas_never_both_act_and_the_standby_takes_over(
-        api, kube_cluster, crd_installed, peers, s3_server, tmp_path, graceful):
+        api, kube_cluster, crd_installed, peers, s3_server, tmp_path, how):
     """Two operator processes elect a leader on a Lease: only the leader writes; when it
-    stops (SIGTERM: it releases the Lease; SIGKILL: the Lease expires) the standby has the
-    pool at its new size within TAKEOVER_BOUND, and the pool never holds one pod more."""
+    stops (SIGTERM: it releases the Lease; SIGKILL: the Lease expires; SIGSTOP: it is frozen,
+    as in a long GC pause or a partition, and wakes up after the standby took over) the
+    standby has the pool at its new size within TAKEOVER_BOUND, the pool never holds one
+    pod more, and a leader that wakes up past its deadline exits without acting."""
     ns = own_namespace(api, s3_server)
     first = OperatorProcess(kube_cluster.kubeconfig, ns, peers, "replica-a",
                             tmp_path / "a.log")
@@ -202,16 +207,23 @@ def test_two_elected_replicas_never_both_act_and_the_standby_takes_over(
 
         watch = PoolWatch(api, ns, "solo")
         stopped = time.monotonic()   # the signal is sent now
-        first.stop(graceful=graceful)
+        if how == "sigstop":
+            first.proc.send_signal(signal.SIGSTOP)
+        else:
+            first.stop(graceful=how == "sigterm")
         api.patch("AsyncGRPORun", ns, "solo", {"spec": {"sandboxes": {"minWarm": 5}}})
         wait_for(lambda: len(api.list("Pod", ns, component("solo", "sandbox"))) == 5,
                  timeout=TAKEOVER_BOUND, what=f"replica-b acting within {TAKEOVER_BOUND}s")
         took = time.monotonic() - stopped
+        if how == "sigstop":
+            first.proc.send_signal(signal.SIGCONT)   # it wakes up, its deadline long gone
+            wait_for(lambda: first.proc.poll() is not None, what="the old leader exits")
+            assert first.proc.returncode == 1
         time.sleep(3)
         assert watch.stop() == 5, "over-created across the failover"
         assert holder(api, ns).startswith("replica-b_")
         assert second.writes() > 0
-        print(f"takeover ({'SIGTERM' if graceful else 'SIGKILL'}): pool at 5 after {took:.1f}s")
+        print(f"takeover ({how}): pool at 5 after {took:.1f}s")
     finally:
         if second is not None:
             second.stop()

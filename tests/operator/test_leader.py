@@ -34,6 +34,22 @@ def test_the_fence_refuses_writes_from_its_deadline_on():
         pass
 
 
+def test_an_expired_deadline_calls_the_hook_a_close_does_not():
+    """A leader frozen past its deadline (the hook exits the process) is told apart from
+    one that closed its own fence on a graceful stop."""
+    clock, calls = Clock(), []
+    fence = Fence(clock, on_expired=lambda: calls.append(clock.t))
+    assert not fence.allows() and calls == []      # never opened: nothing expired
+    fence.open_until(5.0)
+    assert fence.allows()
+    clock.t = 6.0
+    with pytest.raises(NotLeader), fence.write():
+        pass
+    assert calls == [6.0]
+    fence.close()
+    assert not fence.allows() and calls == [6.0]
+
+
 def test_closing_the_fence_waits_for_the_writes_in_flight():
     fence = Fence()
     fence.open_until(time.monotonic() + 60)

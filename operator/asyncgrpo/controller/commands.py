@@ -145,12 +145,19 @@ def run_with_leader_election(args: argparse.Namespace, settings, metrics,
         # the elector calls every retry period: one warning at start, not one per call
         log.warning("TLS verification of the API server is off (kubeconfig)")
         urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
-    elector = leader.LeaseElector(api, config)
     # a standby imports now what the first reconcile of a term would import (boto3 and
     # the reconcile's modules): a takeover should not wait for imports
     import boto3  # noqa: F401
 
     import asyncgrpo.controller.reconcile  # noqa: F401
+    def lost() -> None:
+        # controller-runtime's answer: the process goes, and with it any handler or kopf
+        # write still in flight; the Deployment restarts it as a standby
+        log.error("leader election lost: exiting")
+        logging.shutdown()
+        os._exit(1)
+
+    elector = leader.LeaseElector(api, config, fence=leader.Fence(on_expired=lost))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -171,13 +178,6 @@ def run_with_leader_election(args: argparse.Namespace, settings, metrics,
     def stop_operator(op: EmbeddedOperator) -> None:
         current.clear()
         op.stop()
-
-    def lost() -> None:
-        # controller-runtime's answer: the process goes, and with it any handler or kopf
-        # write still in flight; the Deployment restarts it as a standby
-        log.error("leader election lost: exiting")
-        logging.shutdown()
-        os._exit(1)
 
     log.info("standing by for the lease %s/%s as %s", config.namespace, config.name,
              elector.identity)

@@ -166,7 +166,7 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: An
     finally:
         state.lock.release()
         rt.metrics.reconcile_seconds.observe(time.perf_counter() - t0)
-    if rt.fence is not None and not rt.fence.is_open():
+    if rt.fence is not None and not rt.fence.allows():
         return   # the Lease was lost during this reconcile: the next leader reports
     old = body.status or {}
     for k, v in out.status.items():

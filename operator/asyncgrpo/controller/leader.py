@@ -88,32 +88,50 @@ class Fence:
     writes already sent, so the Lease is released only after the last one landed.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 on_expired: Callable[[], None] | None = None):
         self.clock = clock
+        #: called when a write (or a status patch) meets a deadline that passed while the
+        #: Lease was believed held: a frozen or cut-off leader; the CLI exits the process
+        self.on_expired = on_expired
         self._cond = threading.Condition()
         self._until = float("-inf")
+        self._closed = True
         self._inflight = 0
 
     def open_until(self, deadline: float) -> None:
         with self._cond:
-            self._until = deadline
+            self._until, self._closed = deadline, False
 
     def is_open(self) -> bool:
         with self._cond:
             return self.clock() < self._until
 
+    def allows(self) -> bool:
+        """`is_open()`, and on a deadline that expired (not a `close()`) call `on_expired`."""
+        with self._cond:
+            if self.clock() < self._until:
+                return True
+            expired = not self._closed
+        if expired and self.on_expired is not None:
+            self.on_expired()
+        return False
+
     def close(self, timeout: float | None = 30.0) -> bool:
         """Refuse new writes; True once no write is in flight (within `timeout`)."""
         with self._cond:
-            self._until = float("-inf")
+            self._until, self._closed = float("-inf"), True
             return self._cond.wait_for(lambda: self._inflight == 0, timeout)
 
     @contextmanager
     def write(self) -> Iterator[None]:
         with self._cond:
-            if self.clock() >= self._until:
-                raise NotLeader("this operator replica does not hold the leader Lease")
-            self._inflight += 1
+            ok = self.clock() < self._until
+            if ok:
+                self._inflight += 1
+        if not ok:
+            self.allows()
+            raise NotLeader("this operator replica does not hold the leader Lease")
         try:
             yield
         finally:
@@ -220,6 +238,11 @@ class LeaseElector:
             if not alive():
                 log.error("%s: the operator stopped while leading: giving the lease up",
                           self.identity)
+                return True
+            if not self.fence.is_open():
+                # the deadline passed before this round even began (the process was frozen,
+                # or a renewal hung): the standby may act already, trying would be too late
+                log.error("%s: the lease deadline passed: stopping", self.identity)
                 return True
             if not self.try_acquire_or_renew() and not self.fence.is_open():
                 log.error("%s could not renew the lease for %.1fs: stopping", self.identity,

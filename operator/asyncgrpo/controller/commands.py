@@ -150,6 +150,7 @@ def run_with_leader_election(args: argparse.Namespace, settings, metrics,
     import boto3  # noqa: F401
 
     import asyncgrpo.controller.reconcile  # noqa: F401
+
     def lost() -> None:
         # controller-runtime's answer: the process goes, and with it any handler or kopf
         # write still in flight; the Deployment restarts it as a standby

@@ -147,8 +147,8 @@ def test_operator_runs_on_the_charts_rbac_alone(kube_cluster, api, crd_installed
     account's token: any permission the chart forgot fails this test."""
     from asyncgrpo.controller.embedded import EmbeddedOperator
 
-    rbac = [d for d in helm_template()
-            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+    rbac = [d for d in helm_template() if d["kind"] in (
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")]
     r = kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(rbac))
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -162,6 +162,21 @@ def test_operator_runs_on_the_charts_rbac_alone(kube_cluster, api, crd_installed
     cfg["users"][0]["user"] = {"token": tok}
     path = tmp_path / "operator-kubeconfig"
     path.write_text(yaml.safe_dump(cfg))
+
+    # leader election on the chart's Lease RBAC: acquire, renew, release in its namespace
+    from kubernetes import config
+
+    from asyncgrpo.controller.leader import ElectionConfig, LeaseElector
+    elector = LeaseElector(config.new_client_from_config(config_file=str(path)),
+                           ElectionConfig(namespace="asyncgrpo-system", lease_duration=3,
+                                          renew_deadline=2, retry_period=0.5))
+    wait_for(elector.try_acquire_or_renew, timeout=10, what="the Lease, as the chart's account")
+    assert elector.try_acquire_or_renew()   # renewing
+    elector.fence.close()
+    elector.release()
+    lease = api.call("GET", "/apis/coordination.k8s.io/v1/namespaces/asyncgrpo-system/"
+                     "leases/asyncgrpo-operator")
+    assert lease["spec"]["holderIdentity"] == ""
 
     ns = api.namespace("own")
     api.create(s3_secret(s3_server, ns))

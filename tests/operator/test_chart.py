@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -85,7 +84,18 @@ def test_helm_lint_and_render():
                                     "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                                     "capabilities": {"drop": ["ALL"]}}
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["ASYNCGRPO_OPERATOR_PEERING"] == "asyncgrpo"
+    assert env["ASYNCGRPO_OPERATOR_LEADER_ELECTION"] == "asyncgrpo-operator"
+    assert (env["ASYNCGRPO_OPERATOR_LEASE_DURATION"], env["ASYNCGRPO_OPERATOR_RENEW_DEADLINE"],
+            env["ASYNCGRPO_OPERATOR_RETRY_PERIOD"]) == ("15", "10", "2")
+    assert "POD_NAMESPACE" in env   # the Lease's namespace, from the downward API
+    # leader election: get/create/update on leases in the release namespace, nothing more
+    lease_role = by_kind["Role"]
+    assert lease_role["metadata"]["namespace"] == "asyncgrpo-system"
+    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"],
+                                    "resources": ["leases"],
+                                    "verbs": ["get", "create", "update"]}]
+    assert by_kind["RoleBinding"]["roleRef"]["name"] == lease_role["metadata"]["name"]
+    assert not any(d["kind"] == "Role" for d in helm_template("leaderElection.enabled=false"))
     assert env["ASYNCGRPO_OPERATOR_ALL_NAMESPACES"] == "true"
     rule = by_kind["PrometheusRule"]["spec"]
     assert rule == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
@@ -101,12 +111,12 @@ def test_helm_lint_and_render():
     assert {"name": "webhook-tls", "secret": {"secretName": "asyncgrpo-webhook-tls"}} in dep["volumes"]
     # namespaced mode: Roles in the watched namespaces, nothing cluster-wide that writes
     docs = helm_template("watchNamespaces={team-a,team-b}")
-    roles = [d for d in docs if d["kind"] == "Role"]
+    roles = [d for d in docs if d["kind"] == "Role"
+             and not d["metadata"]["name"].endswith("-leader-election")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     cluster_rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
     assert all(set(r["verbs"]) <= {"get", "list", "watch", "patch"} for r in cluster_rules)
-    assert all("patch" not in r["verbs"] or r["resources"] == ["clusterkopfpeerings"]
-               for r in cluster_rules)
+    assert all("patch" not in r["verbs"] for r in cluster_rules)
 
 
 def kubectl(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -122,10 +132,6 @@ def test_rendered_chart_applies_with_server_side_dry_run(kube_cluster, api, crd_
                                                       "metadata": {"name": "asyncgrpo-system"}})
     except ApiException as e:
         assert e.status == 409
-    r = kubectl("apply", "--server-side", "-f", str(CHART / "crds" / "kopf-peering.yaml"))
-    assert r.returncode == 0, r.stderr
-    wait_for(lambda: kubectl("get", "crd", "clusterkopfpeerings.kopf.dev").returncode == 0)
-    time.sleep(1)
     out = yaml.safe_dump_all(helm_template())
     r = kubectl("apply", "--dry-run=server", "--server-side", "-f", "-", stdin=out)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -141,8 +147,8 @@ def test_operator_runs_on_the_charts_rbac_alone(kube_cluster, api, crd_installed
     account's token: any permission the chart forgot fails this test."""
     from asyncgrpo.controller.embedded import EmbeddedOperator
 
-    rbac = [d for d in helm_template("peering.enabled=false")
-            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+    rbac = [d for d in helm_template() if d["kind"] in (
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")]
     r = kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(rbac))
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -156,6 +162,21 @@ def test_operator_runs_on_the_charts_rbac_alone(kube_cluster, api, crd_installed
     cfg["users"][0]["user"] = {"token": tok}
     path = tmp_path / "operator-kubeconfig"
     path.write_text(yaml.safe_dump(cfg))
+
+    # leader election on the chart's Lease RBAC: acquire, renew, release in its namespace
+    from kubernetes import config
+
+    from asyncgrpo.controller.leader import ElectionConfig, LeaseElector
+    elector = LeaseElector(config.new_client_from_config(config_file=str(path)),
+                           ElectionConfig(namespace="asyncgrpo-system", lease_duration=3,
+                                          renew_deadline=2, retry_period=0.5))
+    wait_for(elector.try_acquire_or_renew, timeout=10, what="the Lease, as the chart's account")
+    assert elector.try_acquire_or_renew()   # renewing
+    elector.fence.close()
+    elector.release()
+    lease = api.call("GET", "/apis/coordination.k8s.io/v1/namespaces/asyncgrpo-system/"
+                     "leases/asyncgrpo-operator")
+    assert lease["spec"]["holderIdentity"] == ""
 
     ns = api.namespace("own")
     api.create(s3_secret(s3_server, ns))

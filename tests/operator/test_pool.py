@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from asyncgrpo.api.v1alpha1 import SandboxSpec
-from asyncgrpo.controller.pool import Demand, Expectations, PodView, plan
+from asyncgrpo.controller.pool import Demand, Expectations, PodView, free_names, plan
 
 SPEC = SandboxSpec(min_warm=2, max=20, hard_cap=25, idle_ttl_seconds=60)
 
@@ -103,3 +106,66 @@ def test_hard_cap_is_never_crossed():
 def test_suspend_deletes_every_pod():
     p = plan(SPEC, pods("a", "b"), set(), set(), Demand(busy=2), 0, suspended=True)
     assert p.replace == ["a", "b"] and p.create == 0
+
+
+# ---------------------------------------------------------------- names by ordinal
+
+
+def test_pod_names_take_the_lowest_free_ordinals():
+    taken = {"r-sandbox-0", "r-sandbox-2", "r-sandbox-ab12"}
+    assert free_names("r-sandbox", taken, 3) == ["r-sandbox-1", "r-sandbox-3", "r-sandbox-4"]
+    assert free_names("r-sandbox", taken, 0) == []
+
+
+class ApiServer:
+    """Names only: a create of a name that exists is refused (AlreadyExists), as the API
+    server does; `history` keeps each state, so a lagging cache is an older state."""
+
+    def __init__(self):
+        self.history: list[frozenset[str]] = [frozenset()]
+
+    def create(self, name: str) -> bool:
+        now = self.history[-1]
+        self.history.append(now | {name})
+        return name not in now
+
+
+def tick(server: ApiServer, exp: Expectations, view: frozenset[str], desired: int) -> None:
+    """One reconcile of one actor: plan from its view and expectations, create by ordinal."""
+    adds, dels = exp.observe("r", view)
+    p = plan(SandboxSpec(min_warm=desired, max=50, hard_cap=60), pods(*view), adds, dels,
+             None, 0)
+    for name in free_names("r-sandbox", set(view) | adds, p.create):
+        exp.expect_create("r", name)
+        server.create(name)
+
+
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 20), st.booleans()),
+                min_size=1, max_size=30))
+def test_failovers_with_lagging_caches_never_over_create(steps):
+    """Any number of failovers: each new leader starts with no expectations and a cache that
+    may lag any number of writes behind. Named by ordinal, the pool never holds more pods
+    than the largest size ever asked (it would with random names: the lag is re-created)."""
+    server = ApiServer()
+    exp = Expectations()
+    most = 0
+    for desired, lag, failover in steps:
+        if failover:
+            exp = Expectations()           # a new leader: nothing carried over
+        view = server.history[max(0, len(server.history) - 1 - lag)]
+        most = max(most, desired)
+        tick(server, exp, view, desired)
+        assert len(server.history[-1]) <= most
+
+
+def test_two_actors_with_the_same_view_collide_instead_of_adding():
+    """The old leader's last tick and the new leader's first, from the same cache: the
+    second one's creations are refused, the pool is exactly the desired size."""
+    server = ApiServer()
+    for name in ("r-sandbox-0", "r-sandbox-1", "r-sandbox-2"):
+        server.create(name)
+    view = server.history[-1]
+    old, new = Expectations(), Expectations()
+    tick(server, old, view, 5)
+    tick(server, new, view, 5)
+    assert sorted(server.history[-1]) == [f"r-sandbox-{i}" for i in range(5)]

@@ -51,7 +51,4 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch, delete]
-- apiGroups: [kopf.dev]
-  resources: [kopfpeerings]
-  verbs: [get, list, watch, patch]
 {{- end -}}

@@ -1,11 +1,12 @@
 """`asyncgrpo operator`: run the kopf operator.
 
-    asyncgrpo operator --all-namespaces --peering asyncgrpo
+    asyncgrpo operator --all-namespaces --leader-election asyncgrpo-operator
     asyncgrpo operator --namespace team-a --namespace team-b
 
 Flags have ASYNCGRPO_OPERATOR_* environment defaults, so the Helm chart sets env, not argv.
-With --peering, replicas elect one active operator through kopf's peering objects (the
-chart installs their CRDs); without it the operator runs standalone.
+With --leader-election, replicas elect one active operator through a coordination.k8s.io
+Lease (`controller.leader`); the others stand by without watching anything. Without it the
+operator runs standalone.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ def register(subparsers) -> None:
     scope.add_argument("--all-namespaces", action="store_true",
                        default=_env("ALL_NAMESPACES", "") in ("1", "true"),
                        help=f"watch every namespace [env {E}ALL_NAMESPACES]")
-    p.add_argument("--peering", default=_env("PEERING", None),
-                   help="kopf peering name: replicas with the same name never act together "
+    p.add_argument("--leader-election", default=_env("LEADER_ELECTION", None), metavar="LEASE",
+                   help="name of the Lease replicas elect a leader with; only the leader acts "
                         "(omit to run standalone)")
-    p.add_argument("--priority", type=int, default=int(_env("PRIORITY", "0") or 0),
-                   help="peering priority; the highest-priority replica acts")
-    p.add_argument("--peering-lifetime", type=int,
-                   default=int(_env("PEERING_LIFETIME", "60") or 60),
-                   help="seconds a replica's peering record lives without a keepalive")
+    p.add_argument("--leader-election-namespace",
+                   default=_env("LEADER_ELECTION_NAMESPACE", os.environ.get("POD_NAMESPACE")),
+                   help="namespace of the Lease (default: $POD_NAMESPACE)")
+    p.add_argument("--lease-duration", type=int, default=int(_env("LEASE_DURATION", "15")),
+                   help="seconds a standby waits after the leader's last renewal it saw")
+    p.add_argument("--renew-deadline", type=float, default=float(_env("RENEW_DEADLINE", "10")),
+                   help="seconds the leader keeps acting while its renewals fail")
+    p.add_argument("--retry-period", type=float, default=float(_env("RETRY_PERIOD", "2")),
+                   help="seconds between two tries to acquire or renew the Lease")
     p.add_argument("--metrics-address", default=_env("METRICS_ADDRESS", "0.0.0.0"))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "8080") or 0),
                    help="port of the Prometheus endpoint; 0 turns it off")
@@ -108,7 +113,6 @@ def run_operator(args: argparse.Namespace) -> int:
         settings.gateway_url = args.gateway_url
     if args.trainer_metrics_url:
         settings.trainer_metrics_url = args.trainer_metrics_url
-    settings.peering_lifetime_seconds = args.peering_lifetime
     settings.allowed_endpoints = [e.strip() for e in args.allowed_endpoints.split(",")
                                   if e.strip()]
     settings.cleanup_timeout_seconds = args.cleanup_timeout
@@ -121,16 +125,92 @@ def run_operator(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port, args.metrics_address, registry=rt.metrics.registry)
     kopf.configure(verbose=args.verbose)
+    if args.leader_election:
+        return run_with_leader_election(args, settings, rt.metrics,
+                                        [] if args.all_namespaces else watched)
     asyncio.run(kopf.operator(
         registry=handlers.registry(settings),
         settings=handlers.kopf_settings(settings),
         clusterwide=args.all_namespaces,
         namespaces=watched,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        priority=args.priority,
+        standalone=True,
         liveness_endpoint=(f"http://0.0.0.0:{args.health_port}/healthz"
                            if args.health_port else None),
         memo=kopf.Memo(runtime=rt),
     ))
+    return 0
+
+
+def run_with_leader_election(args: argparse.Namespace, settings, metrics,
+                             watched: list[str]) -> int:
+    """Stand by until the Lease is ours, then run kopf (in a thread) for as long as we hold
+    it. Each term starts a fresh operator: its indexes come from a full list before any
+    handler runs, exactly as after a restart. The webhook, if on, is served by every
+    replica from a separate kopf instance that never writes to runs or their children."""
+    import dataclasses
+    import logging
+    import signal
+    import threading
+
+    from asyncgrpo.controller import handlers, leader
+    from asyncgrpo.controller.embedded import EmbeddedOperator
+    from asyncgrpo.controller.runtime import Runtime
+
+    log = logging.getLogger("asyncgrpo.operator")
+    if not args.leader_election_namespace:
+        raise SystemExit("asyncgrpo operator: --leader-election needs "
+                         "--leader-election-namespace (or $POD_NAMESPACE)")
+    config = leader.ElectionConfig(name=args.leader_election,
+                                   namespace=args.leader_election_namespace,
+                                   lease_duration=args.lease_duration,
+                                   renew_deadline=args.renew_deadline,
+                                   retry_period=args.retry_period)
+    api = handlers.make_kube(Runtime(settings)).api
+    if not api.configuration.verify_ssl:
+        import urllib3
+
+        # the elector calls every retry period: one warning at start, not one per call
+        log.warning("TLS verification of the API server is off (kubeconfig)")
+        urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+    # a standby imports now what the first reconcile of a term would import (boto3 and
+    # the reconcile's modules): a takeover should not wait for imports
+    import boto3  # noqa: F401
+
+    import asyncgrpo.controller.reconcile  # noqa: F401
+
+    def lost() -> None:
+        # controller-runtime's answer: the process goes, and with it any handler or kopf
+        # write still in flight; the Deployment restarts it as a standby
+        log.error("leader election lost: exiting")
+        logging.shutdown()
+        os._exit(1)
+
+    elector = leader.LeaseElector(api, config, fence=leader.Fence(on_expired=lost))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    webhook = None
+    if settings.webhook is not None:
+        webhook = EmbeddedOperator(watched, settings, controller=False).start()
+    term_settings = dataclasses.replace(settings, webhook=None)
+    current: list[EmbeddedOperator] = []
+    if args.health_port:
+        leader.serve_health(args.health_port, lambda: elector.healthy() and all(
+            op.alive() for op in current))
+
+    def start() -> EmbeddedOperator:
+        current[:] = [EmbeddedOperator(watched, term_settings, metrics=metrics,
+                                       fence=elector.fence).start()]
+        return current[0]
+
+    def stop_operator(op: EmbeddedOperator) -> None:
+        current.clear()
+        op.stop()
+
+    log.info("standing by for the lease %s/%s as %s", config.namespace, config.name,
+             elector.identity)
+    leader.run_elected(elector, start, stop_operator, stop, lost,
+                       alive=lambda op: op.alive())
+    if webhook is not None:
+        webhook.stop()
     return 0

@@ -1,25 +1,31 @@
-"""The operator in a background thread of this process: for tests and benchmarks.
+"""The operator in a background thread of this process: for tests, benchmarks, and each
+leadership term of `asyncgrpo operator --leader-election`.
 
 Same handlers and settings as `asyncgrpo operator`, with a stop flag instead of signals,
-so a test can start it, restart it mid-run, or run two peered replicas side by side.
+so a test can start it, restart it mid-run, or run several side by side; a leader starts a
+fresh one (fresh Runtime: indexes and expectations rebuilt from a full list) per term.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Self
+from typing import Any, Self
 
+from asyncgrpo.controller.metrics import OperatorMetrics
 from asyncgrpo.controller.runtime import Runtime, Settings
 
 
 class EmbeddedOperator:
     def __init__(self, namespaces: list[str] | None = None, settings: Settings | None = None,
-                 peering: str | None = None, priority: int = 0):
-        self.runtime = Runtime(settings or Settings())
+                 metrics: OperatorMetrics | None = None, fence: Any = None,
+                 controller: bool = True, liveness_endpoint: str | None = None):
+        self.runtime = Runtime(settings or Settings(), fence=fence)
+        if metrics is not None:
+            self.runtime.metrics = metrics    # one Prometheus registry across terms
         self.namespaces = namespaces
-        self.peering = peering
-        self.priority = priority
+        self.controller = controller
+        self.liveness_endpoint = liveness_endpoint
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -32,13 +38,12 @@ class EmbeddedOperator:
 
         try:
             asyncio.run(kopf.operator(
-                registry=handlers.registry(self.runtime.settings),
+                registry=handlers.registry(self.runtime.settings, controller=self.controller),
                 settings=handlers.kopf_settings(self.runtime.settings),
                 clusterwide=not self.namespaces,
                 namespaces=self.namespaces or (),
-                standalone=self.peering is None,
-                peering_name=self.peering,
-                priority=self.priority,
+                standalone=True,
+                liveness_endpoint=self.liveness_endpoint,
                 stop_flag=self._stop,
                 ready_flag=self._ready,
                 memo=kopf.Memo(runtime=self.runtime),
@@ -53,6 +58,9 @@ class EmbeddedOperator:
         if not self._ready.wait(timeout):
             raise TimeoutError(f"operator not ready after {timeout}s: {self.error!r}")
         return self
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()

@@ -74,7 +74,7 @@ class DigestDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
 
 
 def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
-    """kopf's settings for one operator, fixed before it starts (peering reads them early)."""
+    """kopf's settings for one operator, fixed before it starts."""
     ks = kopf.OperatorSettings()
     # progress and the last-handled spec live in annotations of our group; status stays ours
     ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
@@ -85,7 +85,6 @@ def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     ks.execution.max_workers = 16
     ks.watching.server_timeout = 300
     ks.watching.client_timeout = 330
-    ks.peering.lifetime = settings.peering_lifetime_seconds
     # A deleted run waits for its timer to exit before kopf drops the finalizer; a sync timer
     # caught mid-tick cannot be cancelled, and kopf's default re-check (60 s) would hold the
     # deletion that long. Re-check about as often as the timer ticks.
@@ -144,7 +143,8 @@ def make_kube(rt: Runtime):
         except config.ConfigException:
             # read KUBECONFIG now: the client library reads it once, at its import
             api = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
-    return Kube(api, on_write=lambda verb, kind: rt.metrics.api_writes.labels(verb, kind).inc())
+    return Kube(api, on_write=lambda verb, kind: rt.metrics.api_writes.labels(verb, kind).inc(),
+                fence=rt.fence)
 
 
 def _summarize(body: kopf.Body, memo: kopf.Memo, resource: kopf.Resource,
@@ -158,8 +158,8 @@ def _summarize(body: kopf.Body, memo: kopf.Memo, resource: kopf.Resource,
 
 
 def _children(kwargs: dict[str, Any], key: tuple[str, str]) -> list[observe.Child]:
-    # one entry per object: after a peering pause kopf re-lists into the same index, and a
-    # pool that saw each pod twice would stop growing
+    # one entry per object: a pod deleted and re-created under the same name (its ordinal)
+    # while a watch lagged is two objects for a moment
     out: dict[tuple[str, str], observe.Child] = {}
     for idx in CHILD_RESOURCES:
         for child in kwargs[idx].get(key) or ():
@@ -184,6 +184,8 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: An
     finally:
         state.lock.release()
         rt.metrics.reconcile_seconds.observe(time.perf_counter() - t0)
+    if rt.fence is not None and not rt.fence.allows():
+        return   # the Lease was lost during this reconcile: the next leader reports
     old = body.status or {}
     for k, v in out.status.items():
         if old.get(k) != v:
@@ -299,11 +301,19 @@ def validate(body: kopf.Body, memo: kopf.Memo, old: kopf.Body | None = None,
         raise kopf.AdmissionError("; ".join(str(e) for e in errors[:20]), code=422)
 
 
-def registry(settings: Settings) -> kopf.OperatorRegistry:
-    """Every handler of one operator, with that operator's intervals and webhook."""
+def registry(settings: Settings, controller: bool = True) -> kopf.OperatorRegistry:
+    """Every handler of one operator, with that operator's intervals and webhook.
+
+    `controller=False`: the admission webhook alone (every replica serves it, leader or not).
+    """
     reg = kopf.OperatorRegistry()
     kopf.on.startup(registry=reg)(configure)
     kopf.on.login(registry=reg)(login)
+    if settings.webhook is not None:
+        kopf.on.validate(**RUNS, id="run", operation="CREATE", registry=reg)(validate)
+        kopf.on.validate(**RUNS, id="run-update", operation="UPDATE", registry=reg)(validate)
+    if not controller:
+        return reg
     for id_, (group, version, plural) in CHILD_RESOURCES.items():
         kopf.index(group=group, version=version, plural=plural, id=id_, labels=MANAGED,
                    registry=reg)(_summarize)
@@ -314,7 +324,4 @@ def registry(settings: Settings) -> kopf.OperatorRegistry:
     kopf.timer(**RUNS, id="on_timer", interval=every, initial_delay=every,
                registry=reg)(_reconcile)
     kopf.on.delete(**RUNS, registry=reg)(on_delete)
-    if settings.webhook is not None:
-        kopf.on.validate(**RUNS, id="run", operation="CREATE", registry=reg)(validate)
-        kopf.on.validate(**RUNS, id="run-update", operation="UPDATE", registry=reg)(validate)
     return reg

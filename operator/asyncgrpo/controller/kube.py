@@ -42,14 +42,14 @@ def path(kind: str, namespace: str, name: str | None = None) -> str:
 
 def request(api: ApiClient, method: str, url: str, body: Any = None,
             content_type: str = "application/json", query: list | None = None,
-            raw: bool = False) -> Any:
+            raw: bool = False, timeout: float = 30) -> Any:
     """One REST call; the decoded JSON answer (None if empty), or bytes with `raw`."""
     m, full, headers, data, post = api.param_serialize(
         method, url, query_params=query or [], body=body,
         header_params={"Content-Type": content_type, "Accept": "application/json"},
         auth_settings=["BearerToken"])
     resp = api.call_api(m, full, header_params=headers, body=data, post_params=post,
-                        _request_timeout=30)
+                        _request_timeout=timeout)
     resp.read()
     if not 200 <= resp.status < 300:
         raise ApiException(http_resp=resp)
@@ -59,15 +59,24 @@ def request(api: ApiClient, method: str, url: str, body: Any = None,
 
 
 class Kube:
-    """Create, patch, delete and get namespaced objects; `on_write(verb, kind)` counts writes."""
+    """Create, patch, delete and get namespaced objects; `on_write(verb, kind)` counts writes.
 
-    def __init__(self, api: ApiClient, on_write: Callable[[str, str], None] | None = None):
+    With a `fence` (leader election, `controller.leader.Fence`), every write passes through
+    it: a replica that does not hold the Lease gets `NotLeader` instead of a request.
+    """
+
+    def __init__(self, api: ApiClient, on_write: Callable[[str, str], None] | None = None,
+                 fence: Any = None):
         self.api = api
         self.on_write = on_write or (lambda verb, kind: None)
+        self.fence = fence
 
     def _call(self, method: str, url: str, body: Any = None,
               content_type: str = "application/json", query: list | None = None) -> Any:
-        return request(self.api, method, url, body, content_type, query)
+        if method == "GET" or self.fence is None:
+            return request(self.api, method, url, body, content_type, query)
+        with self.fence.write():
+            return request(self.api, method, url, body, content_type, query)
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:

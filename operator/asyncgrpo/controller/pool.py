@@ -7,6 +7,12 @@ shows them (or stops showing them), the way controller-runtime's ReplicaSet expe
 and the scaler counts `cache + expected creations - expected deletions`. Entries expire
 after `ttl` so a lost watch event cannot freeze a pool forever.
 
+Pod names are `<run>-sandbox-<ordinal>`, the lowest ordinals no pod in the cache (nor an
+expected creation) holds: a creation is then idempotent whoever sends it. Two actors that
+see the same pods (an old leader's last tick and a new leader's first, or a cache that lost
+the expectations of the process before) pick the same names, and the API server answers
+the second with AlreadyExists instead of adding pods; a random suffix would add them.
+
 Pods Kubernetes reports failed or unschedulable stay counted until the pool shrinks: they
 are reported in the status and deleted first on scale-down, but never replaced in a
 create/fail loop. Pods the gateway reports unhealthy (a sandbox server that stopped
@@ -16,7 +22,7 @@ answering) are deleted and replaced, as the sizing contract asks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from asyncgrpo.api.v1alpha1 import SandboxSpec
@@ -85,6 +91,19 @@ class Expectations:
     def forget(self, key: str) -> None:
         self._adds.pop(key, None)
         self._dels.pop(key, None)
+
+
+def free_names(prefix: str, taken: Collection[str], n: int) -> list[str]:
+    """The `n` lowest free names `<prefix>-<ordinal>`: deterministic for a given view, so
+    concurrent creators collide on AlreadyExists rather than over-create."""
+    out: list[str] = []
+    i = 0
+    while len(out) < n:
+        name = f"{prefix}-{i}"
+        if name not in taken:
+            out.append(name)
+        i += 1
+    return out
 
 
 @dataclass(frozen=True)

@@ -427,11 +427,12 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         error = ("NamespaceSandboxCap", (f"the namespace holds the operator's cap of "
                  f"{caps.sandboxes_per_namespace} sandbox pods (all runs together)"))
         plan = pool.Plan(max(room, 0), plan.delete, plan.replace, plan.live, plan.target)
-    for _ in range(plan.create):
-        body = sandboxes.build_pod(run, sandboxes.random_suffix())
+    taken = {p.name for p in pods} | adds
+    prefix = sandboxes.pod_prefix(run)
+    for pod in pool.free_names(prefix, taken, plan.create):
+        body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"))
         kopf.adopt(body, owner=owner)
-        pod = body["metadata"]["name"]
-        rt.expectations.expect_create(key, pod)
+        rt.expectations.expect_create(key, pod)   # kept on AlreadyExists: it exists
         try:
             if rt.kube.create(body) is not None:
                 created += 1

@@ -1,7 +1,8 @@
 """What the operator keeps in memory: settings, the API client, metrics, expectations, and a
-little per-run state. Lives in kopf's memo; losing it (a restart) costs a few reads, never a
-duplicate: children are found again through the indexes, which kopf fills before any
-handler runs.
+little per-run state. Lives in kopf's memo; losing it (a restart, or a new leadership term:
+each term starts a fresh Runtime) costs a few reads, never a duplicate: children are found
+again through the indexes, which kopf fills from a full list before any handler runs, so
+create-expectations are rebuilt from the API server's state, not carried over.
 """
 
 from __future__ import annotations
@@ -66,9 +67,6 @@ class Settings:
     dns_refresh_seconds: float = 60.0
     #: Most sandbox pods created or deleted per run in one reconcile.
     pool_max_step: int = 64
-    #: Seconds a replica's peering record lives without a keepalive; a standby takes over at
-    #: the latest this long after the active replica vanished without saying goodbye.
-    peering_lifetime_seconds: int = 60
     #: Kubeconfig to use instead of the pod's service account or $KUBECONFIG (tests run the
     #: operator as the chart's service account this way).
     kubeconfig: str | None = None
@@ -124,6 +122,8 @@ class Runtime:
     kube: Any = None
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     expectations: Expectations = field(default_factory=Expectations)
+    #: leader election's write fence (`controller.leader.Fence`); None: standalone
+    fence: Any = None
     runs: dict[tuple[str, str], RunState] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _bucket_pool: ThreadPoolExecutor | None = None

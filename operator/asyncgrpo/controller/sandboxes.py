@@ -8,8 +8,6 @@ no privilege escalation, optional RuntimeClass (gVisor, Kata), a bounded workspa
 
 from __future__ import annotations
 
-import secrets
-import string
 from typing import Any
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
@@ -28,7 +26,6 @@ from asyncgrpo.controller.common import (
 from asyncgrpo.controller.secret import SANDBOX_TOKEN_KEY, secret_name
 
 COMPONENT = "sandbox"
-_ALPHABET = string.ascii_lowercase + string.digits
 #: Limits every sandbox pod gets unless the spec sets its own: a command's memory, CPU and
 #: disk are bounded by its pod (the server's RLIMIT_NPROC bounds its processes).
 DEFAULT_LIMITS = {"cpu": 1, "memory": "1Gi", "ephemeral-storage": "4Gi"}
@@ -42,12 +39,13 @@ def sandbox_resources(run: AsyncGRPORun) -> dict[str, Any]:
     return out
 
 
-def random_suffix(n: int = 4) -> str:
-    return "".join(secrets.choice(_ALPHABET) for _ in range(n))
+def pod_prefix(run: AsyncGRPORun) -> str:
+    """`<run>-sandbox`; the scaler appends the lowest free ordinal (`pool.free_names`)."""
+    return name(run, COMPONENT)
 
 
 def pod_name(run: AsyncGRPORun, suffix: str) -> str:
-    return f"{name(run, COMPONENT)}-{suffix}"
+    return f"{pod_prefix(run)}-{suffix}"
 
 
 def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:

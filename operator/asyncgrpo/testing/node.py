@@ -453,17 +453,28 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     # ------------------------------------------------------------ stop
     def stop(self) -> None:
-        for name in ("cluster-dns", "dnsmasq", "kube-proxy", "kubelet"):
-            self._end(name)
-        _kill_cgroup_tree("kubepods")
-        self._kill_namespace_members()
-        self._end("containerd")
-        self._kill_namespace_members()
-        self._end("holder")
-        _remove_cgroup_tree("kubepods")
+        """End everything; every step runs even if an earlier one failed (the host must be
+        left clean), and the first error is raised at the end."""
+        steps = [*(lambda n=n: self._end(n) for n in ("cluster-dns", "dnsmasq", "kube-proxy",
+                                                       "kubelet")),
+                 lambda: _kill_cgroup_tree("kubepods"), self._kill_namespace_members,
+                 lambda: self._end("containerd"), self._kill_namespace_members,
+                 lambda: self._end("holder"), lambda: _remove_cgroup_tree("kubepods"),
+                 self._restore_sysctls, self.network.delete, self._remove_kubelet_dir]
+        errors = []
+        for step in steps:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 (cleanup goes on; raised below)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _restore_sysctls(self) -> None:
         for key, value in self._sysctls.items():
             Path("/proc/sys", key).write_text(value)
-        self.network.delete()
+
+    def _remove_kubelet_dir(self) -> None:
         if self._created_kubelet_dir:
             shutil.rmtree("/var/lib/kubelet", ignore_errors=True)
 
@@ -508,34 +519,36 @@ def _cgroup_roots() -> list[Path]:
     return [p for p in base.iterdir() if p.is_dir()] if base.exists() else []
 
 
+def _cgroup_dirs(tree: Path) -> list[Path]:
+    """Every cgroup under `tree`, deepest first; cgroups that vanish meanwhile are skipped."""
+    found = []
+    for dirpath, _dirs, _files in os.walk(tree, onerror=lambda _e: None):
+        found.append(Path(dirpath))
+    return sorted(found, key=lambda p: -len(p.parts))
+
+
 def _kill_cgroup_tree(name: str) -> None:
     for root in _cgroup_roots():
-        tree = root / name
-        if not tree.exists():
-            continue
-        for procs in tree.rglob("cgroup.procs"):
+        for cgroup in _cgroup_dirs(root / name):
             try:
-                for pid in procs.read_text().split():
-                    os.kill(int(pid), signal.SIGKILL)
+                pids = (cgroup / "cgroup.procs").read_text().split()
             except OSError:
-                pass
+                continue
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass
     time.sleep(0.2)
 
 
 def _remove_cgroup_tree(name: str) -> None:
     for root in _cgroup_roots():
-        tree = root / name
-        if not tree.exists():
-            continue
-        for d in sorted((p for p in tree.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        for cgroup in _cgroup_dirs(root / name):
             try:
-                d.rmdir()
+                cgroup.rmdir()
             except OSError:
                 pass
-        try:
-            tree.rmdir()
-        except OSError:
-            pass
 
 
 def _kubectl(cluster: TestCluster) -> list[str]:
@@ -570,11 +583,15 @@ class ClusterWithNode:
             raise
 
     def stop(self) -> None:
-        if self.node is not None:
-            self.node.stop()
-        if self.cluster is not None:
-            self.cluster.stop()
-        self.network.delete()
+        try:
+            if self.node is not None:
+                self.node.stop()
+        finally:
+            try:
+                if self.cluster is not None:
+                    self.cluster.stop()
+            finally:
+                self.network.delete()
 
 
 def main(argv: list[str] | None = None) -> int:

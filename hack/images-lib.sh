@@ -27,14 +27,14 @@ TORCH_VERSION="2.13.0"
 if [[ -z "${CONTAINERS_CONF:-}" ]]; then
   mkdir -p "$IMAGES_CACHE"
   export CONTAINERS_CONF="$IMAGES_CACHE/containers.conf"
-  cat >"$CONTAINERS_CONF.tmp" <<'CONF'
+  cat >"$CONTAINERS_CONF.$$" <<'CONF'
 # written by hack/images-lib.sh: runc (crun fails on hybrid cgroups) and rlimits the host grants
 [containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
 [engine]
 runtime = "runc"
 CONF
-  mv "$CONTAINERS_CONF.tmp" "$CONTAINERS_CONF"
+  mv "$CONTAINERS_CONF.$$" "$CONTAINERS_CONF"
 fi
 
 log() { echo "[images] $*" >&2; }
@@ -71,7 +71,8 @@ write_build_pip_conf() {
     [[ -n "$index" ]] && echo "index-url = $index"
     [[ -n "${extra// /}" ]] && echo "extra-index-url = $extra"
     echo "disable-pip-version-check = true"
-  } >"$conf"
+  } >"$conf.$$"
+  mv "$conf.$$" "$conf"  # atomic: builds may run side by side
   echo "$conf"
 }
 

@@ -37,6 +37,11 @@ CONF
   mv "$CONTAINERS_CONF.$$" "$CONTAINERS_CONF"
 fi
 
+# pip on the host reads its settings and fetches the CPU torch wheel: the project venv's when
+# there is one (a fresh Debian may have no python3-pip), else the system's.
+HOST_PYTHON="${HOST_PYTHON:-$REPO_ROOT/.venv/bin/python}"
+[[ -x "$HOST_PYTHON" ]] || HOST_PYTHON=python3
+
 log() { echo "[images] $*" >&2; }
 
 sudo_if() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
@@ -76,7 +81,7 @@ write_build_pip_conf() {
   echo "$conf"
 }
 
-pip_config() { python3 -m pip config get "$1" 2>/dev/null | grep -v '^ERROR' || true; }
+pip_config() { "$HOST_PYTHON" -m pip config get "$1" 2>/dev/null | grep -v '^ERROR' || true; }
 
 ca_bundle() {
   local f
@@ -94,8 +99,8 @@ ensure_torch_wheel() {
   log "fetching the CPU torch $TORCH_VERSION wheel into $WHEELS_DIR"
   local args=(-q --no-deps --only-binary=:all: --python-version 3.11
               --platform manylinux_2_28_x86_64 -d "$WHEELS_DIR" "torch==$TORCH_VERSION+cpu")
-  python3 -m pip download "${args[@]}" 2>/dev/null \
-    || python3 -m pip download --index-url https://download.pytorch.org/whl/cpu "${args[@]}"
+  "$HOST_PYTHON" -m pip download "${args[@]}" 2>/dev/null \
+    || "$HOST_PYTHON" -m pip download --index-url https://download.pytorch.org/whl/cpu "${args[@]}"
 }
 
 # buildah through podman with the settings this machine needs; extra arguments pass through.

@@ -61,7 +61,7 @@ class VLLMContainer:
 
 @pytest.fixture(scope="session")
 def vllm_container(vllm_image, tiny_model, s3_server, tmp_path_factory):
-    """The vLLM image as the operator runs it (non-root, read-only root, emptyDirs as tmpfs),
+    """The vLLM image as the operator runs it (non-root, read-only root, emptyDirs as host dirs),
     serving the tiny checkpoint mounted read-only; `<run>/policy-vN` resolves from BUCKET."""
     from tests.conftest import free_port
 

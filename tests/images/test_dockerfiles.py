@@ -42,17 +42,39 @@ def test_runs_as_the_uid_of_the_operators_pods(path):
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.parent.name)
-def test_dependencies_are_installed_before_the_code_is_copied(path):
-    lines = path.read_text().splitlines()
-    code = next(i for i, line in enumerate(lines) if line.startswith("COPY operator"))
-    deps = [i for i, line in enumerate(lines)
-            if re.search(r"pip install .*(-r requirements.txt|boto3==)", line)]
-    assert deps and max(deps) < code
-    after = "\n".join(lines[code:])
-    assert "--no-deps" in after  # the package itself brings no dependency in
+def test_dependencies_are_installed_before_the_code(path):
+    """In the image's own stage the dependency layer comes first and depends on no code: the
+    code reaches it only as a wheel installed --no-deps afterwards (or, for vLLM, a source
+    tree copied after boto3)."""
+    text = path.read_text()
+    final = text[text.rindex("\nFROM "):].splitlines()
+    deps = [i for i, line in enumerate(final)
+            if re.search(r"(-r /usr/local/share/asyncgrpo/requirements.txt|boto3==)", line)]
+    code = [i for i, line in enumerate(final)
+            if "--no-deps" in line or line.startswith("COPY operator")]
+    assert deps and code and max(deps) < min(code), path
+    before = final[:max(deps) + 1]
+    assert not any(line.startswith("COPY") and ("operator" in line.split()[1:2]
+                                                 or "README.md" in line) for line in before)
 
 
 def test_build_context_leaves_out_bytecode_and_venvs():
     ignore = (REPO / ".dockerignore").read_text().splitlines()
     assert ignore[ignore.index("*") if "*" in ignore else 0] == "*"
     assert "**/__pycache__" in ignore and "**/*.pyc" in ignore
+
+
+def test_make_images_tags_what_the_chart_and_the_run_defaults_name():
+    import yaml
+
+    from asyncgrpo.api.v1alpha1 import RolloutSpec, SandboxSpec, TrainerSpec
+    from tests.images.containers import lib_value
+
+    registry, tag = lib_value("$IMAGE_REGISTRY"), lib_value("$IMAGE_TAG")
+    chart = yaml.safe_load((REPO / "charts" / "asyncgrpo" / "Chart.yaml").read_text())
+    values = yaml.safe_load((REPO / "charts" / "asyncgrpo" / "values.yaml").read_text())
+    assert f"{values['image']['repository']}:{values['image']['tag'] or chart['appVersion']}" \
+        == f"{registry}/operator:{tag}"
+    defaults = {"trainer": TrainerSpec, "vllm": RolloutSpec, "sandbox": SandboxSpec}
+    for name, spec in defaults.items():
+        assert spec.model_fields["image"].default == f"{registry}/{name}:{tag}"

@@ -39,10 +39,11 @@ def test_operator_help_runs_non_root_on_a_read_only_root(operator_image):
 
 
 @pytest.fixture
-def sandbox(sandbox_image):
+def sandbox(sandbox_image, tmp_path):
     port = free_port()
+    workspace = containers.empty_dir(tmp_path / "workspace")
     c = Container(sandbox_image, [], name_hint="sandbox", run_opts=[
-        *READ_ONLY, "--tmpfs", "/workspace:rw,mode=1777",
+        *READ_ONLY, "-v", f"{workspace}:/workspace",
         "-e", f"ASYNCGRPO_SANDBOX_TOKEN={TOKEN}", "-e", "ASYNCGRPO_SANDBOX_HOST=127.0.0.1",
         "-e", f"ASYNCGRPO_SANDBOX_PORT={port}"])
     try:

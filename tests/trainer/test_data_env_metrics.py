@@ -148,3 +148,14 @@ def test_docs_list_every_metric_and_variable():
     documented = set(re.findall(r"\b(ASYNCGRPO_[A-Z_]+|AWS_[A-Z_]+)\b", doc))
     assert variables - {"AWS_ENDPOINT_URL_S3"} <= documented
     assert documented - {"AWS_ENDPOINT_URL_S3"} <= variables | {"ASYNCGRPO_ADAPTER_ENDPOINT"}
+
+
+def test_rollouts_move_on_unless_vllm_refused_the_adapter():
+    """Found on the test node: vLLM's engine died during the first probe, rollouts stayed on
+    `policy-v0` (never published), every request got 404 and the run stalled for good."""
+    from asyncgrpo.trainer.grpo import rollouts_move_on
+
+    assert rollouts_move_on(True, 3, False)          # served: move on
+    assert rollouts_move_on(False, 0, False)         # nothing served yet: nothing to stay on
+    assert rollouts_move_on(False, 3, True)          # vLLM failed (5xx, unreachable)
+    assert not rollouts_move_on(False, 3, False)     # refused (corrupt adapter): stay on v3

@@ -29,7 +29,10 @@ DEFAULT_PROBE = (
 
 
 class ProbeError(RuntimeError):
-    """vLLM did not answer the probe (unreachable, adapter not resolvable, bad response)."""
+    """vLLM did not answer the probe (unreachable, adapter not resolvable, bad response);
+    `status` is vLLM's HTTP status when it answered at all."""
+
+    status: int | None = None
 
 
 def probe_token_ids(tokenizer, text: str = DEFAULT_PROBE) -> list[int]:
@@ -74,7 +77,9 @@ def served_prompt_logprobs(
             detail = json.loads(detail).get("error", {}).get("message", detail)
         except (json.JSONDecodeError, AttributeError):
             pass
-        raise ProbeError(f"vLLM answered {e.code} for {model!r}: {detail}") from None
+        err = ProbeError(f"vLLM answered {e.code} for {model!r}: {detail}")
+        err.status = e.code
+        raise err from None
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         raise ProbeError(f"vLLM unreachable for the probe of {model!r}: {type(e).__name__}") from None
     try:

@@ -55,6 +55,18 @@ from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
 log = logging.getLogger(__name__)
 
 
+
+def rollouts_move_on(served_ok: bool, served_version: int, vllm_failed: bool) -> bool:
+    """Whether rollouts switch to a just-published version after its probe.
+
+    Yes when vLLM served it; also when nothing was served yet (there is nothing to stay on:
+    `policy-v0` does not exist) or when vLLM itself failed (5xx, unreachable: the adapter is
+    not known to be bad, and a restarted vLLM resolves it from the bucket). Staying behind
+    then would stall the run for good. Only a refusal (4xx: corrupt or partial adapter)
+    keeps rollouts on the last version vLLM served.
+    """
+    return served_ok or not served_version or vllm_failed
+
 class _ProbeUnreachable(Exception):
     pass
 
@@ -116,6 +128,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         self._fault_versions = {int(v) for v in fault_corrupt_versions}
         self._status_file = Path(status_file) if status_file else None
         self.served_version = 0  # the version rollouts request
+        self._probe_failed_transiently = False
         self.published: list[dict] = []  # this process's publishes, for status and tests
         self.resumed_from_step: int | None = None
         self.history: list[dict] = []  # per logged step: reward, loss (rank 0; bounded)
@@ -210,8 +223,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             self._publish(version, adapter_dir, t0)
             self.model_version = version
             served_ok = self._probe(version, trained)
-            if served_ok:
-                self.served_version = version
+            if rollouts_move_on(served_ok, self.served_version, self._probe_failed_transiently):
+                self.served_version = version if served_ok else self.served_version
                 if self.rollout_worker:
                     self.rollout_worker.update_model_version(version)
             self._prune()
@@ -303,6 +316,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         Unreachable: retried with backoff. Refused (4xx: corrupt, partial, rank too high):
         False at once, so rollouts stay on the last version vLLM served.
         """
+        self._probe_failed_transiently = False
         if trained is None:
             return True
         name = self.served_name(version)
@@ -326,8 +340,14 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         try:
             served = self._retry("vllm", ask, lambda e: isinstance(e, _ProbeUnreachable))
         except Exception as err:  # noqa: BLE001 - refused or still unreachable: training goes on
-            log.error("vLLM did not serve %s: %s; rollouts stay on %s", name, err,
-                      self.served_name(self.served_version) if self.served_version else "none")
+            status = getattr(err, "status", None)
+            self._probe_failed_transiently = not (status is not None and 400 <= status < 500)
+            if self._probe_failed_transiently or not self.served_version:
+                log.error("vLLM did not serve %s: %s; rollouts move on to it (vLLM failed, "
+                          "not the adapter)", name, err)
+            else:
+                log.error("vLLM refused %s: %s; rollouts stay on %s", name, err,
+                          self.served_name(self.served_version))
             if m is not None:
                 m.inc("served_logprob_probe_failures_total")
                 reason = "VLLMUnreachable" if isinstance(err, BucketUnavailable) else "AdapterRefused"

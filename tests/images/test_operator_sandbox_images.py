@@ -55,19 +55,24 @@ def sandbox(sandbox_image, tmp_path):
 
 
 def test_sandbox_serves_refuses_without_token_and_runs_as_its_uid(sandbox):
+    """The gateway's protocol: a reset with the run token admits the next lease's secret;
+    execs need that secret (the run token alone opens only the control calls)."""
     body = {"command": "id -u; id -g; touch ~/made && ls ~"}
-    status, _ = containers.http("POST", f"{sandbox}/v1/exec", body)
-    assert status == 401
-    status, _ = containers.http("POST", f"{sandbox}/v1/exec", body,
-                                headers={"authorization": "Bearer wrong-token"})
-    assert status == 401
-    status, out = containers.http("POST", f"{sandbox}/v1/exec", body,
+    for headers in ({}, {"authorization": "Bearer wrong-token"},
+                    {"authorization": f"Bearer {TOKEN}"}):
+        status, _ = containers.http("POST", f"{sandbox}/v1/exec", body, headers=headers)
+        assert status == 401, headers
+    secret = "lease-secret-for-the-image-test"
+    status, out = containers.http("POST", f"{sandbox}/v1/reset", {"lease_secret": secret},
                                   headers={"authorization": f"Bearer {TOKEN}"})
+    assert status == 200 and out["leased"], out
+    lease = {"authorization": f"Bearer {secret}"}
+    status, out = containers.http("POST", f"{sandbox}/v1/exec", body, headers=lease)
     assert status == 200, out
     assert out["exit_code"] == 0, out
     assert out["stdout"].split() == ["65532", "65532", "made"]
     # the token was removed from the server's environment: commands cannot see it
     status, out = containers.http("POST", f"{sandbox}/v1/exec",
                                   {"command": "env; cat /proc/1/environ 2>&1 || true"},
-                                  headers={"authorization": f"Bearer {TOKEN}"})
+                                  headers=lease)
     assert status == 200 and TOKEN not in out["stdout"] + out["stderr"], out

@@ -181,3 +181,27 @@ def test_a_restart_keeps_the_last_bucket_finding_while_the_check_runs():
     status, events = compute(SPEC, restarted, running, "T2")
     assert conds(status)["BucketReady"] == conds(running)["BucketReady"]
     assert status["phase"] == "Running" and not events
+
+
+def test_a_finished_trainer_reports_its_last_step_through_its_termination_message(tmp_path,
+                                                                                 monkeypatch):
+    """Found on the test node: the run ended Succeeded with status.step one short, the last
+    step done after the operator's last scrape. The trainer's termination message carries it."""
+    from asyncgrpo.controller import progress
+    from asyncgrpo.controller.observe import summarize
+    from asyncgrpo.controller.reconcile import _rank0_message
+    from asyncgrpo.trainer.main import write_termination_message
+
+    log = tmp_path / "termination-log"
+    assert not write_termination_message(4, 5, path=str(log))  # outside a pod: nothing
+    log.touch()
+    monkeypatch.setenv("ASYNCGRPO_TERMINATION_LOG", str(log))
+    assert write_termination_message(4, 5)
+    pod = {"kind": "Pod", "metadata": {"name": "r-trainer-0",
+                                       "labels": {"app.kubernetes.io/component": "trainer"}},
+           "status": {"phase": "Succeeded", "containerStatuses": [{"restartCount": 0, "state": {
+               "terminated": {"exitCode": 0, "message": log.read_text()}}}]}}
+    final = progress.from_termination_message(_rank0_message([summarize(pod)]))
+    assert (final.step, final.policy_version) == (4, 5)
+    assert progress.from_termination_message("Error: something else") is None
+    assert progress.from_termination_message('{"step": "4"}') is None

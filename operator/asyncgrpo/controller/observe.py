@@ -36,6 +36,8 @@ class Child:
     problem_message: str = ""
     exit_codes: tuple[int, ...] = field(default_factory=tuple)
     restarts: int = 0
+    #: the last termination message of its first container (the trainer's final numbers)
+    termination_message: str = ""
 
 
 def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
@@ -46,7 +48,7 @@ def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
         "ready": conds.get("Ready", {}).get("status") == "True",
         "unschedulable": sched.get("status") == "False" and sched.get("reason") == "Unschedulable",
     }
-    problem, message, codes, restarts = "", "", [], 0
+    problem, message, codes, restarts, final = "", "", [], 0, ""
     for cs in status.get("containerStatuses") or []:
         restarts += int(cs.get("restartCount", 0))
         waiting = (cs.get("state") or {}).get("waiting") or {}
@@ -56,10 +58,11 @@ def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
             term = (cs.get(key) or {}).get("terminated")
             if term is not None and "exitCode" in term:
                 codes.append(int(term["exitCode"]))
+                final = final or (term.get("message") or "")[:4096]
     if out["unschedulable"] and not problem:
         problem, message = "Unschedulable", sched.get("message", "")
     out |= {"problem": problem, "problem_message": message[:300],
-            "exit_codes": tuple(codes), "restarts": restarts}
+            "exit_codes": tuple(codes), "restarts": restarts, "termination_message": final}
     return out
 
 

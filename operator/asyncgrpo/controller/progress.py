@@ -50,6 +50,21 @@ def parse(text: str) -> Progress:
     return out
 
 
+def from_termination_message(message: str) -> Progress | None:
+    """The trainer's final numbers from its termination message (JSON written at exit by
+    asyncgrpo.trainer.main), or None when there is none or it is not ours."""
+    import json
+
+    try:
+        doc = json.loads(message) if message.strip().startswith("{") else None
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
+        return None
+    version = doc.get("policyVersion")
+    return Progress(step=doc["step"], policy_version=version if isinstance(version, int) else None)
+
+
 def scrape(url: str, timeout: float = 2.0) -> Progress | None:
     """The trainer's numbers, or None if its endpoint does not answer (not started yet)."""
     try:

@@ -142,6 +142,11 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
         scraped = progress.scrape(url)
         if scraped is not None:
             state.progress = _merge_progress(state.progress, scraped)
+    # a trainer that finished says its last numbers in its termination message: the final
+    # step may never have been scraped
+    final = progress.from_termination_message(_rank0_message(children))
+    if final is not None:
+        state.progress = _merge_progress(state.progress, final)
     obs.progress = state.progress
 
     status, events = compute(run.spec, obs, old, now_iso())
@@ -165,6 +170,11 @@ def check_run(rt: Runtime, body: dict[str, Any], fixed_identity: str | None = No
     if errors := cap_errors(run, rt.settings.caps):
         return run, errors, "OverCap"
     return run, [], ""
+
+
+def _rank0_message(children) -> str:
+    return next((c.termination_message for c in children if c.kind == "Pod"
+                 and c.component == "trainer" and c.name.endswith("-0")), "")
 
 
 def _merge_progress(old: progress.Progress | None,

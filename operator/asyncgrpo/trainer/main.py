@@ -8,6 +8,7 @@ come from the environment (`runtime_env`). The mapping from the run to TRL's con
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -209,11 +210,28 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
     trainer.resumed_from_step = latest
     try:
         trainer.train(resume_from_checkpoint=resume_dir)
+        if top.is_main:
+            write_termination_message(int(trainer.state.global_step), int(trainer.model_version))
     finally:
         trainer._write_status()
         if pod_endpoint is not None:
             pod_endpoint.close()
     return 0
+
+
+def write_termination_message(step: int, policy_version: int,
+                              path: str = "/dev/termination-log") -> bool:
+    """Leave the final numbers where Kubernetes keeps them after the container exits (its
+    termination message): the operator's last scrape may predate the last step. Outside a
+    pod there is no such file and nothing is written."""
+    target = Path(os.environ.get("ASYNCGRPO_TERMINATION_LOG", path))
+    if not target.exists():
+        return False
+    try:
+        target.write_text(json.dumps({"step": step, "policyVersion": policy_version}))
+    except OSError:
+        return False
+    return True
 
 
 def main_from_file(path: str | Path) -> int:

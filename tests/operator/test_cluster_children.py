@@ -73,12 +73,15 @@ def test_multi_turn_run_gets_every_child_owned_by_it(api, ns, s3_server, gvisor)
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "agent-gateway",
                                     "namespace": ns}]
 
-    # NetworkPolicies: sandboxes reachable only from the gateway; egress only to the list
+    # NetworkPolicies: sandboxes reachable only from the gateway and the run's trainer (the
+    # lease's direct data path); egress only to the list
     sb = api.get("NetworkPolicy", ns, "agent-sandbox")["spec"]
     assert sb["policyTypes"] == ["Ingress", "Egress"]
-    assert sb["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "asyncgrpo", "app.kubernetes.io/instance": "agent",
-        "app.kubernetes.io/component": "gateway"}}}]
+    assert sorted(sb["ingress"][0]["from"], key=str) == sorted([
+        {"podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "asyncgrpo", "app.kubernetes.io/instance": "agent",
+            "app.kubernetes.io/component": component}}} for component in ("gateway", "trainer")],
+        key=str)
     cidrs = {p["ipBlock"]["cidr"] for p in sb["egress"][0]["to"]}
     assert "10.20.0.0/16" in cidrs and "127.0.0.1/32" in cidrs
     vllm_np = api.get("NetworkPolicy", ns, "agent-vllm")["spec"]

@@ -282,7 +282,10 @@ def test_longest_name_gets_its_trainer_pod(api, ns, s3_server):
 
 def test_large_spec_is_handled_and_stays_deletable(api, ns, s3_server):
     run = make_run(s3_server, ns, "large")
-    run["spec"]["reward"]["functions"][0]["args"] = {"notes": "x" * 300_000}
+    # a user reward's args are free-form (a built-in's are checked against its parameters)
+    run["spec"]["reward"]["functions"] = [{"name": "python",
+                                           "module": "asyncgrpo.local.demo:digit_fraction",
+                                           "args": {"notes": "x" * 300_000}}]
     api.create(run)
     wait_for(lambda: api.get("Deployment", ns, "large-vllm"), what="children")
     annotations = api.run(ns, "large")["metadata"].get("annotations") or {}

@@ -94,7 +94,7 @@ def _run_file(tmp, vllm_container, s3_server, run: str) -> dict:
                         "learningRate": 1e-3},
             "rollout": {"maxLoraRank": 16, "maxModelLen": 1024,
                         "sampling": {"maxCompletionTokens": 12}},
-            "adapterStore": {"bucket": vllm_container.bucket, "prefix": "",
+            "adapterStore": {"bucket": vllm_container.bucket,
                              "endpoint": s3_server.endpoint, "retention": 50},
             "data": {"path": "/etc/asyncgrpo/prompts.jsonl"},
             "reward": {"functions": [{"name": "numeric_match"}]},

@@ -158,6 +158,8 @@ def test_trl_config_from_the_run(tmp_path):
     assert cfg.queue_maxsize == 12  # one step of samples, not upstream's 1024
     assert cfg.token_budget == 4096 and cfg.epsilon == 0.3 and cfg.temperature == 0.7
     assert cfg.max_completion_length == 64 and cfg.learning_rate == 0.001
+    # a float32 run computes in float32 (TRL's config would autocast it to bf16)
+    assert cfg.bf16 is False and cfg.fp16 is False
 
 
 def test_multi_turn_runs_get_the_sandbox_harness():

@@ -36,6 +36,10 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
         output_dir=str(env.work_dir / "output"),
         use_cpu=use_cpu,
         dtype=m.dtype,
+        # TRL's AsyncGRPOConfig turns bf16 autocast on by default; the run's dtype says what
+        # to compute in (a float32 run autocast to bf16 trained log-probs vLLM never serves)
+        bf16=m.dtype == "bfloat16",
+        fp16=m.dtype == "float16",
         seed=t.seed,
         learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler,

@@ -96,7 +96,7 @@ def test_full_finetuning_through_the_bucket_on_two_replicas(s3_server, tmp_path)
                         "maxStaleness": 2, "totalSteps": TOTAL_STEPS, "checkpointInterval": 100,
                         "learningRate": 1e-4},
             "rollout": {"maxModelLen": 1024, "sampling": {"maxCompletionTokens": 12}},
-            "adapterStore": {"bucket": bucket, "prefix": "",
+            "adapterStore": {"bucket": bucket,
                              "endpoint": s3_server.endpoint, "retention": 50},
             "data": {"path": str(prompts)},
             "reward": {"functions": [{"name": "numeric_match"}]},
@@ -107,7 +107,7 @@ def test_full_finetuning_through_the_bucket_on_two_replicas(s3_server, tmp_path)
 
     replicas = [_start_vllm(model, tmp_path / f"vllm-{i}.log") for i in range(2)]
     puller_env = {**os.environ, **s3_server.env(), "ASYNCGRPO_ADAPTER_BUCKET": bucket,
-                  "ASYNCGRPO_ADAPTER_RUN": run, "ASYNCGRPO_ADAPTER_PREFIX": "",
+                  "ASYNCGRPO_ADAPTER_RUN": run, "ASYNCGRPO_ADAPTER_PREFIX": "asyncgrpo",
                   "ASYNCGRPO_ADAPTER_ENDPOINT": s3_server.endpoint,
                   "ASYNCGRPO_ADAPTER_ATTEMPTS": "3", "ASYNCGRPO_ADAPTER_BACKOFF_S": "0.2",
                   "OMP_NUM_THREADS": "1"}

@@ -62,7 +62,8 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
     stack.namespace(ns)
     run = tiny_run("agents", ns, stack.s3.endpoint, steps=3)
     run["spec"]["harness"] = {"type": "multi-turn", "maxTurns": 2, "tools": ["shell"]}
-    run["spec"]["sandboxes"] = {"image": SANDBOX_IMAGE, "minWarm": 1, "max": 3, "hardCap": 4,
+    # no warm pool: every sandbox pod is grown from the gateway's demand
+    run["spec"]["sandboxes"] = {"image": SANDBOX_IMAGE, "minWarm": 0, "max": 3, "hardCap": 4,
                                 "execTimeoutSeconds": 30}
     # the reward runs inside a sandbox: 1 when the answer holds a digit, else 0
     run["spec"]["reward"] = {"functions": [{"name": "sandbox_tests", "args": {
@@ -75,9 +76,8 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
                             "app.kubernetes.io/component=sandbox", "-o", "name", check=False)
         return len(out.split())
 
-    wait_for("a ready sandbox pod", lambda: status_of(stack, "agents", ns)
-             .get("sandboxes", {}).get("warm", 0) + status_of(stack, "agents", ns)
-             .get("sandboxes", {}).get("busy", 0) >= 1, timeout=600,
+    wait_for("a sandbox pod grown from demand", lambda: status_of(stack, "agents", ns)
+             .get("sandboxes", {}).get("spawnedTotal", 0) >= 1, timeout=600,
              on_timeout=lambda: stack.describe(ns))
     sizes = []
     wait_step(stack, "agents", ns, 1)
@@ -93,9 +93,9 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
                                     check=False)
     trainer_log = stack.logs(ns, "app.kubernetes.io/component=trainer")
     print(f"\nE2E multi-turn: pool sizes {sizes}, spawned {status['sandboxes']}")
-    assert status["sandboxes"]["spawnedTotal"] >= 2 or max(sizes) >= 2, (sizes, status)
+    assert status["sandboxes"]["spawnedTotal"] >= 1, status  # grown from demand (minWarm 0)
     execs = [line for line in gateway_metrics.splitlines()
-             if line.startswith("asyncgrpo_gateway_execs_total") or "exec" in line.split("{")[0]]
+             if line.startswith("asyncgrpo_gateway_") and "lease" in line.split("{")[0]]
     assert execs, gateway_metrics[-2000:]
     assert "rewards/sandbox_tests" in trainer_log or status["step"] == 3
 
@@ -109,8 +109,8 @@ def test_two_trainer_pods_train_one_run_over_gloo(e2e_stack):
              .get("status", {}).get("readyReplicas") == 2, timeout=900,
              on_timeout=lambda: stack.describe(ns)
              + stack.logs(ns, "app.kubernetes.io/component=trainer"))
-    conditions = {c["type"]: c["status"] for c in status_of(stack, "duo", ns)["conditions"]}
-    assert conditions.get("TrainerReady") == "True", conditions
+    wait_for("TrainerReady=True", lambda: {c["type"]: c["status"] for c in status_of(
+        stack, "duo", ns).get("conditions", [])}.get("TrainerReady") == "True", timeout=120)
     status = wait_phase(stack, "duo", ns)
     assert status["phase"] == "Succeeded" and status["step"] == 2, json.dumps(status, indent=1)
 
@@ -125,8 +125,9 @@ def test_faults_vllm_killed_trainer_deleted_operator_restarted(e2e_stack):
     # 1. kill the vLLM server process: the kubelet restarts the container, training goes on
     vllm_pod = stack.kubectl("-n", ns, "get", "pods", "-l", "app.kubernetes.io/component=vllm",
                              "-o", "jsonpath={.items[0].metadata.name}")
-    stack.kubectl("-n", ns, "exec", vllm_pod, "--", "python3", "-c",
-                  "import os,signal; os.kill(1, signal.SIGKILL)", check=False)
+    container = stack.kubectl("-n", ns, "get", "pod", vllm_pod, "-o",
+                              "jsonpath={.status.containerStatuses[0].containerID}")
+    stack.whole.node.ctr("tasks", "kill", "-s", "SIGKILL", container.split("://", 1)[1])
     at = status_of(stack, "sturdy", ns).get("step", 0)
     wait_step(stack, "sturdy", ns, at + 1)
     restarts = stack.kubectl("-n", ns, "get", "pod", vllm_pod, "-o",

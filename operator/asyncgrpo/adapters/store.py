@@ -150,15 +150,7 @@ class Manifest:
             doc = json.loads(text)
             if doc.get("format") != MANIFEST_FORMAT:
                 raise ValueError(f"format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-            files = {}
-            for rel, entry in doc["files"].items():
-                _check_relpath(rel)
-                sha, size = str(entry["sha256"]), int(entry["size"])
-                if not re.fullmatch(r"[0-9a-f]{64}", sha) or size < 0:
-                    raise ValueError(f"bad entry for {rel!r}")
-                files[rel] = FileEntry(sha, size)
-            if not files:
-                raise ValueError("lists no files")
+            files = parse_files(doc)
             rank = doc.get("rank")
             return cls(
                 run=str(doc["run"]),
@@ -178,6 +170,21 @@ def _check_relpath(rel: str) -> None:
     p = PurePosixPath(rel)
     if p.is_absolute() or ".." in p.parts or rel in ("", ".") or rel == MANIFEST or "\\" in rel:
         raise ValueError(f"unsafe file name {rel!r}")
+
+def parse_files(doc: dict) -> dict[str, FileEntry]:
+    """A manifest's `files` (relative path -> sha256 and size), checked; ValueError when an
+    entry is malformed or there is none. Shared by adapter and weights manifests."""
+    files = {}
+    for rel, entry in doc["files"].items():
+        _check_relpath(rel)
+        sha, size = str(entry["sha256"]), int(entry["size"])
+        if not re.fullmatch(r"[0-9a-f]{64}", sha) or size < 0:
+            raise ValueError(f"bad entry for {rel!r}")
+        files[rel] = FileEntry(sha, size)
+    if not files:
+        raise ValueError("lists no files")
+    return files
+
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from asyncgrpo.adapters.store import (
     AdapterVersionExists,
     FileEntry,
     _check_relpath,
+    parse_files,
     sha256_file,
 )
 
@@ -100,15 +100,7 @@ class WeightsManifest:
             doc = json.loads(text)
             if doc.get("format") != WEIGHTS_FORMAT:
                 raise ValueError(f"format is {doc.get('format')!r}, expected {WEIGHTS_FORMAT!r}")
-            files = {}
-            for rel, entry in doc["files"].items():
-                _check_relpath(rel)
-                sha, size = str(entry["sha256"]), int(entry["size"])
-                if not re.fullmatch(r"[0-9a-f]{64}", sha) or size < 0:
-                    raise ValueError(f"bad entry for {rel!r}")
-                files[rel] = FileEntry(sha, size)
-            if not files:
-                raise ValueError("lists no files")
+            files = parse_files(doc)
             version, kind = int(doc["version"]), str(doc["kind"])
             base = None if doc.get("base") is None else int(doc["base"])
             anchor = int(doc["anchor"])

@@ -7,21 +7,14 @@ on-call engineer would; the pods run the project's images.
 from __future__ import annotations
 
 import json
-import os
+import re
 
 import pytest
 
 from .conftest import OPERATOR_DEPLOYMENT, OPERATOR_NAMESPACE, SANDBOX_IMAGE, wait_for
 from .test_tiny_lora_run import prompts_configmap, tiny_run
 
-pytestmark = [
-    pytest.mark.cluster, pytest.mark.node, pytest.mark.slow,
-    # Written against the test node but not yet seen passing end to end (the session that
-    # wrote them ran out of time on a machine loaded 15x): opt-in until they are, so a
-    # landing is never gated on an unproven test. ASYNCGRPO_E2E_EXTENDED=1 runs them.
-    pytest.mark.skipif(os.environ.get("ASYNCGRPO_E2E_EXTENDED") != "1",
-                       reason="extended e2e not yet proven; ASYNCGRPO_E2E_EXTENDED=1 runs it"),
-]
+pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow]
 
 
 def status_of(stack, name: str, ns: str) -> dict:
@@ -65,9 +58,10 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
     # no warm pool: every sandbox pod is grown from the gateway's demand
     run["spec"]["sandboxes"] = {"image": SANDBOX_IMAGE, "minWarm": 0, "max": 3, "hardCap": 4,
                                 "execTimeoutSeconds": 30}
-    # the reward runs inside a sandbox: 1 when the answer holds a digit, else 0
+    # the reward runs only inside a sandbox: 1 when the answer has an even byte count, else 0,
+    # so some groups score and some do not whatever the random tiny model writes
     run["spec"]["reward"] = {"functions": [{"name": "sandbox_tests", "args": {
-        "test_command": "grep -q '[0-9]' solution.py", "extract": False,
+        "test_command": "test $(( $(wc -c < solution.py) % 2 )) -eq 0", "extract": False,
         "timeout_seconds": 20}}]}
     stack.apply(prompts_configmap(ns), run)
 
@@ -79,25 +73,38 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
     wait_for("a sandbox pod grown from demand", lambda: status_of(stack, "agents", ns)
              .get("sandboxes", {}).get("spawnedTotal", 0) >= 1, timeout=600,
              on_timeout=lambda: stack.describe(ns))
-    sizes = []
+    sizes, logs = [], []
     wait_step(stack, "agents", ns, 1)
     sizes.append(pool_size())
-    status = wait_phase(stack, "agents", ns)
+
+    def gateway_lease_metrics() -> list[str]:
+        out = stack.kubectl("-n", ns, "exec", "deploy/agents-gateway", "--", "python3", "-c",
+                            "import urllib.request;print(urllib.request.urlopen("
+                            "'http://127.0.0.1:8080/metrics').read().decode())", check=False)
+        return [line for line in out.splitlines()
+                if line.startswith("asyncgrpo_gateway_") and "lease" in line.split("{")[0]]
+
+    leases: list[str] = []
+
+    def finished_keeping_logs():  # trainer logs and gateway metrics, read while they run
+        logs.append(stack.logs(ns, "app.kubernetes.io/component=trainer"))
+        if not leases:
+            leases.extend(gateway_lease_metrics())
+        s = status_of(stack, "agents", ns)
+        return s if s.get("phase") in ("Succeeded", "Failed") else None
+
+    status = wait_for("agents finished", finished_keeping_logs, timeout=900, interval=5,
+                      on_timeout=lambda: stack.describe(ns) + "\n".join(logs[-1:]))
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
-    assert status["sandboxes"]["spawnedTotal"] >= 1
-    # the pool grew from the gateway's demand: more pods than minWarm at some point
-    gateway_metrics = stack.kubectl("-n", ns, "exec", "deploy/agents-gateway", "--",
-                                    "python3", "-c",
-                                    "import urllib.request;print(urllib.request.urlopen("
-                                    "'http://127.0.0.1:8080/metrics').read().decode())",
-                                    check=False)
-    trainer_log = stack.logs(ns, "app.kubernetes.io/component=trainer")
-    print(f"\nE2E multi-turn: pool sizes {sizes}, spawned {status['sandboxes']}")
-    assert status["sandboxes"]["spawnedTotal"] >= 1, status  # grown from demand (minWarm 0)
-    execs = [line for line in gateway_metrics.splitlines()
-             if line.startswith("asyncgrpo_gateway_") and "lease" in line.split("{")[0]]
-    assert execs, gateway_metrics[-2000:]
-    assert "rewards/sandbox_tests" in trainer_log or status["step"] == 3
+    assert status["sandboxes"]["spawnedTotal"] >= 1  # grown from demand: minWarm is 0
+    # TRL logs each reward term per step as rewards/<name>
+    rewards = [float(v) for v in re.findall(
+        r"'rewards/sandbox_tests(?:/mean)?': '?([-+0-9.eE]+|nan)", "\n".join(logs))]
+    print(f"\nE2E multi-turn: pool sizes {sizes}, spawned {status['sandboxes']}, "
+          f"sandbox_tests per step {rewards}")
+    assert leases, "the gateway exported no lease metrics while the run went on"
+    # rewards were computed in sandbox pods, and some groups scored
+    assert rewards and max(rewards) > 0, "\n".join(logs)[-3000:]
 
 
 def test_two_trainer_pods_train_one_run_over_gloo(e2e_stack):
@@ -119,7 +126,9 @@ def test_faults_vllm_killed_trainer_deleted_operator_restarted(e2e_stack):
     """The run survives what a cluster does to pods, with no policy version lost or repeated."""
     stack, ns = e2e_stack, "team-faults"
     stack.namespace(ns)
-    stack.apply(prompts_configmap(ns), tiny_run("sturdy", ns, stack.s3.endpoint, steps=8))
+    run = tiny_run("sturdy", ns, stack.s3.endpoint, steps=8)
+    run["spec"]["adapterStore"]["retention"] = 100  # keep every version: the test counts them
+    stack.apply(prompts_configmap(ns), run)
     wait_step(stack, "sturdy", ns, 1)
 
     # 1. kill the vLLM server process: the kubelet restarts the container, training goes on
@@ -129,15 +138,28 @@ def test_faults_vllm_killed_trainer_deleted_operator_restarted(e2e_stack):
                               "jsonpath={.status.containerStatuses[0].containerID}")
     stack.whole.node.ctr("tasks", "kill", "-s", "SIGKILL", container.split("://", 1)[1])
     at = status_of(stack, "sturdy", ns).get("step", 0)
+    wait_for("the kubelet restarted vLLM", lambda: int(stack.kubectl(
+        "-n", ns, "get", "pod", vllm_pod, "-o",
+        "jsonpath={.status.containerStatuses[0].restartCount}") or 0) >= 1,
+        timeout=300, on_timeout=lambda: stack.describe(ns))
     wait_step(stack, "sturdy", ns, at + 1)
-    restarts = stack.kubectl("-n", ns, "get", "pod", vllm_pod, "-o",
-                             "jsonpath={.status.containerStatuses[0].restartCount}")
-    assert int(restarts or 0) >= 1
 
     # 2. delete the trainer pod mid-run: the StatefulSet recreates it, it resumes from the
     #    bucket checkpoint; no policy version is skipped or published twice
-    wait_step(stack, "sturdy", ns, 3)
+    wait_step(stack, "sturdy", ns, 3)  # checkpointInterval 2: step 2 is in the bucket
+    old_uid = stack.get("pod", "sturdy-trainer-0", ns)["metadata"]["uid"]
     stack.kubectl("-n", ns, "delete", "pod", "sturdy-trainer-0", "--wait=false")
+
+    def resumed_log() -> str | None:
+        pod = stack.get("pod", "sturdy-trainer-0", ns)
+        if not pod or pod["metadata"]["uid"] == old_uid:
+            return None
+        out = stack.kubectl("-n", ns, "logs", "sturdy-trainer-0", check=False)
+        return out if "resuming from checkpoint step" in out else None
+
+    resumed = wait_for("the recreated trainer resumed from the bucket", resumed_log,
+                       timeout=600, interval=5, on_timeout=lambda: stack.describe(ns))
+    assert "resuming from checkpoint step 0" not in resumed
 
     # 3. restart the operator mid-run: nothing is created twice
     before = stack.kubectl("-n", ns, "get", "sts,deploy,svc,networkpolicy", "-o", "name")
@@ -148,9 +170,12 @@ def test_faults_vllm_killed_trainer_deleted_operator_restarted(e2e_stack):
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
     after = stack.kubectl("-n", ns, "get", "sts,deploy,svc,networkpolicy", "-o", "name")
     assert sorted(before.split()) == sorted(after.split())
+    # versions are named newest-in-bucket + 1 and a complete one is never overwritten, so
+    # one run is one contiguous sequence from v1 whatever restarted in between
     versions = published_versions(stack, "e2e-sturdy")
-    assert versions == sorted(set(versions)), versions
-    assert versions[-1] - versions[0] + 1 == len(versions), f"a version was skipped: {versions}"
+    assert versions == list(range(1, len(versions) + 1)), f"skipped or repeated: {versions}"
+    assert versions[-1] == status["policyVersion"], (versions, status)
+    print(f"\nE2E faults: versions {versions}, status {json.dumps(status)[:400]}")
 
 
 def test_a_run_asking_for_a_gpu_says_why_it_waits(e2e_stack):

@@ -51,6 +51,11 @@ COMPONENTS = {
     "asyncgrpo_sandbox_": "sandbox",
     "vllm:": "vllm",
 }
+#: vLLM's metrics the dashboard and rules read, as vLLM 0.32 names them
+#: (vllm/v1/metrics/loggers.py; counters gain `_total` in the exposition)
+VLLM_METRICS = {"vllm:num_requests_running", "vllm:num_requests_waiting",
+                "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
+                "vllm:generation_tokens"}
 #: what the dashboard's template variables stand for when a query is sent as is
 VARIABLES = {"$namespace": ".*", "$run": ".*"}
 

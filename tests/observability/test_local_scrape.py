@@ -11,6 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from asyncgrpo import report
+from asyncgrpo.cli import main as cli_main
 from asyncgrpo.testing import prometheus as p
 from asyncgrpo.trainer.metrics import TrainerMetrics
 from tests.observability.conftest import needs_prometheus
@@ -129,3 +131,22 @@ def test_every_panel_and_rule_the_components_feed_has_data_and_faults_fire(compo
         loaded = {r["name"] for g in prom.rules() for r in g["rules"]}
         assert {c.source.split(": ")[1].split(" ")[0] for c in p.rule_queries()} <= loaded
         assert all(r["health"] == "ok" for g in prom.rules() for r in g["rules"])
+
+        # `asyncgrpo report` draws the main panels from query_range: the ones these
+        # components feed have lines, and nothing of the other run leaks into this one
+        out = tmp_path / "report"
+        rc = cli_main(["report", "math", "--namespace", "team-a", "--prometheus", prom.url,
+                       "--since", "5m", "--step", "1s", "--out", str(out)])
+        assert rc == 0
+        drawn = {f.name: f.read_text() for f in out.glob("*.svg")}
+        assert len(drawn) == len(report.dashboard_panels())
+        for panel, legend in (("reward-mean-and-spread", "math mean + std"),
+                              ("step-time-waiting-for-rollouts-vs-training", "math training"),
+                              ("gateway-lease-wait-p50-p99", "math p99"),
+                              ("gateway-execs-s", "math")):
+            svg = next(v for k, v in drawn.items() if k.startswith(panel))
+            assert "<polyline" in svg and legend in svg, panel
+        assert "stuck" not in "".join(drawn.values())
+        assert "no data" in next(v for k, v in drawn.items() if k.startswith("vllm"))
+        index = (out / "index.md").read_text()
+        assert all(f"]({name})" in index for name in drawn)

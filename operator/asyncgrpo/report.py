@@ -124,8 +124,8 @@ def svg(panel: Panel, width: int = 720, height: int = 300) -> str:
     bottom = 28 + legend_h
     pw, ph = width - left - right, height - top - bottom
     e = html.escape
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'font-family="sans-serif" font-size="11">',
+    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+              'font-family="sans-serif" font-size="11">'),
              f'<rect width="{width}" height="{height}" fill="white"/>',
              f'<text x="{left}" y="18" font-size="13" font-weight="bold">{e(panel.title)}</text>']
     pts = [p for s in panel.series for p in s.points]

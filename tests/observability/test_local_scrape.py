@@ -76,8 +76,8 @@ def test_every_panel_and_rule_the_components_feed_has_data_and_faults_fire(compo
             trainer.update_from_logs(trl_window(step))
             trainer.set("step", step)
             trainer.set("policy_version", step)
-            prom.wait(lambda: prom.query(f'asyncgrpo_trainer_step{{run="math"}} == {step}'),
-                      what=f"step {step} scraped")
+            seen = f'asyncgrpo_trainer_step{{run="math"}} == {step}'
+            prom.wait(lambda q=seen: prom.query(q), what=f"step {step} scraped")
         # rollouts lease sandboxes and run tools through the gateway
         wait_until(lambda: httpx.get(f"{gw.url}/v1/demand").json()["idle"] == 2, 30,
                    what="both sandboxes warm")
@@ -110,7 +110,7 @@ def test_every_panel_and_rule_the_components_feed_has_data_and_faults_fire(compo
             return not result[0][0]
         assert prom.wait(lambda: all_have_data() or None, timeout=60,
                          what=lambda: f"data for {[c.source for c in result[0][0]]}")
-        empty, skipped = result[0]
+        skipped = result[0][1]
         # what this test cannot feed is exactly what needs vLLM or the operator
         assert {c for s in skipped for c in s.components} - running == {"vllm", "operator"}
         checked = len(p.panel_queries() + p.rule_queries()) - len(skipped)
@@ -150,3 +150,24 @@ def test_every_panel_and_rule_the_components_feed_has_data_and_faults_fire(compo
         assert "no data" in next(v for k, v in drawn.items() if k.startswith("vllm"))
         index = (out / "index.md").read_text()
         assert all(f"]({name})" in index for name in drawn)
+
+
+def test_docs_list_every_metric_with_a_unit():
+    """docs/observability.md has a row for every metric the components export."""
+    from asyncgrpo.controller.metrics import OperatorMetrics
+    from asyncgrpo.sandbox.metrics import GatewayMetrics, SandboxMetrics
+    from asyncgrpo.trainer.metrics import METRICS, PREFIX
+
+    doc = (p.REPO / "docs" / "observability.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in doc.splitlines()
+            if line.startswith("| `")}
+    names = {m.name + ("_total" if m.type == "counter" else "")
+             for r in (OperatorMetrics().registry, GatewayMetrics().registry,
+                       SandboxMetrics().registry) for m in r.collect()}
+    names |= {PREFIX + n for n in METRICS} | {PREFIX + "node_info"}
+    names |= {n + "_total" if n.endswith(("_hits", "_queries", "_tokens")) else n
+              for n in p.VLLM_METRICS}
+    assert names <= set(rows), names - set(rows)
+    for name in names:   # a unit column that says something
+        cells = [c.strip() for c in rows[name].split("|")]
+        assert all(cells[1:-1]), rows[name]

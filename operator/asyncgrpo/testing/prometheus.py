@@ -66,6 +66,32 @@ def available() -> bool:
     return Path(PROMETHEUS).exists() or shutil.which(PROMETHEUS) is not None
 
 
+def supports_kubernetes_sd() -> bool:
+    """Whether this Prometheus has Kubernetes service discovery. Debian's build (2.42+ds)
+    leaves it out (its client-go is not packaged): its config loader refuses
+    `kubernetes_sd_configs`. An upstream build, named by ASYNCGRPO_PROMETHEUS, has it."""
+    import tempfile
+
+    if not available():
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        cfg = Path(d) / "p.yml"
+        cfg.write_text(yaml.safe_dump({"scrape_configs": [
+            {"job_name": "k", "kubernetes_sd_configs": [{"role": "pod"}]}]}))
+        proc = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}",
+                                 f"--storage.tsdb.path={d}/data",
+                                 f"--web.listen-address=127.0.0.1:{free_port()}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:   # a refused config exits at once; an accepted one keeps serving
+            out, _ = proc.communicate(timeout=5)
+            return b"kubernetes_sd_configs not found" not in out and proc.returncode == 0
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+
+
 # ---------------------------------------------------------------- configuration
 
 

@@ -22,6 +22,7 @@ _COMMAND_MODULES: dict[str, str] = {
     "operator": "asyncgrpo.controller.commands",
     "local": "asyncgrpo.local.commands",
     "weights": "asyncgrpo.weights.commands",
+    "report": "asyncgrpo.report",
 }
 
 

@@ -70,7 +70,7 @@ def test_printer_columns_and_status_subresource():
     version = yaml.safe_load(CHECKED_IN.read_text())["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names == ["Phase", "Step", "Policy", "Tokens/s", "Sandboxes", "Busy", "Age"]
+    assert names == ["Phase", "Step", "Policy", "Reward", "Tokens/s", "Sandboxes", "Age"]
 
 
 def test_field_reference_doc_is_generated_from_the_model():

@@ -24,10 +24,13 @@ KUBECTL = BIN / "kubectl" if (BIN / "kubectl").exists() else Path(shutil.which("
 needs_helm = pytest.mark.skipif(not HELM.exists(), reason="run hack/get-helm.sh for helm")
 
 
-def helm_template(*sets: str, namespace: str = "asyncgrpo-system") -> list[dict]:
+def helm_template(*sets: str, namespace: str = "asyncgrpo-system",
+                  set_json: tuple[str, ...] = ()) -> list[dict]:
     args = [str(HELM), "template", "asyncgrpo", str(CHART), "--namespace", namespace]
     for s in sets:
         args += ["--set", s]
+    for s in set_json:
+        args += ["--set-json", s]
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -46,28 +49,43 @@ def test_alert_rules_pass_promtool():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_dashboard_reads_only_exported_metrics():
+def test_dashboard_and_rules_read_only_exported_metrics():
+    """Every name a panel or rule reads is exported by the operator, the trainer, the gateway
+    or vLLM (whose names are checked against the installed vLLM's source when present)."""
     from asyncgrpo.controller.metrics import OperatorMetrics
     from asyncgrpo.controller.progress import METRICS
+    from asyncgrpo.sandbox.metrics import GatewayMetrics
+    from asyncgrpo.testing import prometheus
 
-    names = {m.name for m in OperatorMetrics().registry.collect()}
+    names = {m.name for r in (OperatorMetrics().registry, GatewayMetrics().registry)
+             for m in r.collect()}
     try:
         from asyncgrpo.trainer.metrics import METRICS as TRAINER
         from asyncgrpo.trainer.metrics import PREFIX
         names |= {PREFIX + n.removesuffix("_total") for n in TRAINER}
     except ImportError:   # an operator-only install: trainer names from the progress contract
         pass
-    exported = names | {f"{n}_total" for n in names} | {f"{n}_bucket" for n in names} | set(METRICS)
-    dash = json.loads((CHART / "files" / "dashboard.json").read_text())
-    import re
-    used = set()
-    for p in dash["panels"]:
-        for t in p["targets"]:
-            used |= set(re.findall(r"\b(asyncgrpo_[a-z_]+)", t["expr"]))
+    names |= prometheus.VLLM_METRICS
+    exported = names | {f"{n}_{s}" for n in names for s in ("total", "bucket", "sum", "count")} \
+        | set(METRICS)
+    checks = prometheus.panel_queries() + prometheus.rule_queries()
+    used = {m for c in checks for m in prometheus.metrics_of(c.expr)}
+    rules = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    used |= {m for g in rules["groups"] for r in g["rules"]
+             for m in prometheus.metrics_of(r["expr"])}
     assert used and used <= exported, used - exported
-    titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for topic in ("throughput", "compression", "sandboxes", "policy lag"):
-        assert topic in titles
+    import glob
+    loggers = glob.glob(str(Path.home() / ".cache/asyncgrpo/venv-vllm/lib/python*/"
+                            "site-packages/vllm/v1/metrics/loggers.py"))
+    if loggers:
+        source = Path(loggers[0]).read_text()
+        for name in prometheus.VLLM_METRICS:
+            assert f'"{name}"' in source, name
+    titles = " ".join(c.source.lower() for c in checks)
+    for topic in ("throughput", "compression", "sandboxes", "policy lag", "reward",
+                  "kv-cache", "prefix-cache", "lease wait", "execs/s", "errors",
+                  "waiting for rollouts"):
+        assert topic in titles, topic
 
 
 @needs_helm
@@ -212,3 +230,30 @@ def test_operator_runs_on_the_charts_rbac_alone(kube_cluster, api, crd_installed
         assert op.runtime.metrics.reconcile_errors._metrics == {}
     finally:
         op.stop()
+
+
+@needs_helm
+def test_chart_makes_runs_scrapable_both_ways():
+    """A PodMonitor for Prometheus Operator users (off by default), scrape annotations on
+    the operator's pods for a plain Prometheus, and the scrapers the runs' NetworkPolicies
+    admit passed to the operator."""
+    assert not any(d["kind"] == "PodMonitor" for d in helm_template())
+    peers = '{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}'
+    docs = helm_template("metrics.podMonitor.enabled=true", "metrics.serviceMonitor.enabled=true",
+                         set_json=(f"metrics.scrapers=[{peers}]",))
+    by_kind = {d["kind"]: d for d in docs}
+    pm = by_kind["PodMonitor"]["spec"]
+    assert pm["selector"]["matchExpressions"][0]["values"] == ["trainer", "vllm", "gateway"]
+    assert [e["port"] for e in pm["podMetricsEndpoints"]] == ["metrics", "http"]
+    assert {r["targetLabel"] for r in pm["podMetricsEndpoints"][0]["relabelings"]} == \
+        {"run", "component"}
+    assert by_kind["ServiceMonitor"]["spec"]["endpoints"][0]["honorLabels"] is True
+    pod = by_kind["Deployment"]["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8080"
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    default = next(d for d in helm_template() if d["kind"] == "Deployment")
+    assert "ASYNCGRPO_OPERATOR_SCRAPERS" not in {
+        e["name"] for e in default["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert json.loads(env["ASYNCGRPO_OPERATOR_SCRAPERS"]) == [json.loads(peers)]
+    job = yaml.safe_load((CHART / "files" / "prometheus-scrape.yaml").read_text())
+    assert job["kubernetes_sd_configs"] == [{"role": "pod"}] and job["honor_labels"] is True

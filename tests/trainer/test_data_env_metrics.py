@@ -119,7 +119,9 @@ def test_metrics_endpoint_serves_every_documented_name_and_status():
         m.update_from_logs({"reward": 0.5, "reward_std": 0.1, "batch/packing_ratio": 2.0,
                             "perf/forwarded_tok_s_wall_clock": 100.0, "perf/step_s": 1.5,
                             "sample/dropped_stale_total": 3.0, "sample/staleness_mean": 0.5,
-                            "sample/rollout_queue_size": 7.0})
+                            "sample/rollout_queue_size": 7.0, "sample/staleness_max": 2.0,
+                            "perf/rollout_wait_s": 0.5, "perf/fwd_bwd_s": 0.75,
+                            "perf/optimizer_s": 0.25, "perf/weight_sync_s": 0.1})
         m.inc("retries_total", target="s3")
         m.hint("ServedPolicyMatches", False, "LogProbMismatch", "max diff 0.3")
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
@@ -127,6 +129,10 @@ def test_metrics_endpoint_serves_every_documented_name_and_status():
             assert PREFIX + name.removesuffix("_total") in text, name
         assert f"{PREFIX}raw_tokens_per_second 200.0" in text
         assert f"{PREFIX}dropped_stale_samples_total 3.0" in text
+        assert f"{PREFIX}sample_staleness_max_steps 2.0" in text
+        # the step split: waiting for rollouts vs training (forward + backward + optimizer)
+        assert f"{PREFIX}rollout_wait_seconds_sum 0.5" in text
+        assert f"{PREFIX}train_seconds_sum 1.0" in text
         status = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/status").read())
         assert status["step"] == 3 and status["policy_version"] == 4
         assert status["conditions"][0]["status"] == "False"

@@ -124,14 +124,16 @@ def openapi_schema() -> dict[str, Any]:
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+    {"name": "Step", "type": "string", "jsonPath": ".status.progress",
+     "description": "Optimizer steps done / total"},
     {"name": "Policy", "type": "integer", "jsonPath": ".status.policyVersion",
      "description": "Newest adapter version published"},
-    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.throughput.rawTokensPerSecond"},
-    {"name": "Sandboxes", "type": "integer", "jsonPath": ".status.sandboxes.warm",
-     "description": "Sandboxes ready and idle"},
-    {"name": "Busy", "type": "integer", "jsonPath": ".status.sandboxes.busy",
-     "description": "Sandboxes leased to rollouts"},
+    {"name": "Reward", "type": "number", "jsonPath": ".status.reward",
+     "description": "Mean reward of the last step"},
+    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.throughput.rawTokensPerSecond",
+     "description": "Rollout tokens trained per second"},
+    {"name": "Sandboxes", "type": "string", "jsonPath": ".status.sandboxes.ready",
+     "description": "Sandboxes ready (warm + busy) / wanted"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

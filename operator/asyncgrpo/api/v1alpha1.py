@@ -232,6 +232,19 @@ class TrainerSpec(Model):
     seed: int = Field(default=0, ge=0, description="Seed for data order and initialization.")
     metrics_port: int = Field(default=9400, ge=1024, le=65535,
                               description="Port of the trainer's Prometheus endpoint.")
+    report_to: list[Literal["trackio", "wandb", "tensorboard", "mlflow", "none"]] = Field(
+        default_factory=list, max_length=4,
+        description="Experiment loggers TRL reports to (its `report_to`), besides the "
+        "Prometheus endpoint, which is always on: trackio, wandb, tensorboard, mlflow; "
+        "empty or [none]: none. The trainer image must carry the logger's package.",
+    )
+    report_to_secret: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="Secret in the run's namespace whose keys become environment variables "
+        "of the trainer pods (envFrom), for the loggers' settings and credentials: "
+        "WANDB_API_KEY, WANDB_PROJECT, MLFLOW_TRACKING_URI, TRACKIO_PROJECT... Never "
+        "copied into the run's ConfigMap, status or logs.",
+    )
     env: list[EnvVar] = Field(default_factory=list, max_length=128,
                               description="Extra environment variables.")
 
@@ -487,6 +500,10 @@ class SandboxStatus(StatusModel):
     busy: int = Field(default=0, description="Leased to a rollout group.")
     starting: int = Field(default=0, description="Created, not ready yet.")
     failed: int = Field(default=0, description="Failed or unschedulable.")
+    wanted: int = Field(default=0, description="Sandbox pods the pool aims for now "
+                        "(minWarm, demand and max).")
+    ready: str = Field(default="", description="Ready (warm + busy) / wanted, as `kubectl "
+                       "get` shows it, e.g. 6/8.")
     spawned_total: int = Field(default=0, description="Sandbox pods created over the run.")
 
 
@@ -500,7 +517,11 @@ class AsyncGRPORunStatus(StatusModel):
     observed_generation: int | None = Field(default=None,
                                             description="Generation last reconciled.")
     step: int = Field(default=0, description="Optimizer steps done.")
+    progress: str = Field(default="", description="Steps done / spec.trainer.totalSteps, "
+                          "as `kubectl get` shows it, e.g. 120/1000.")
     policy_version: int = Field(default=0, description="Newest adapter version published.")
+    reward: float | None = Field(default=None, description="Mean reward of the samples of "
+                                 "the trainer's last step.")
     adapter_versions: list[AdapterVersionsLoaded] = Field(
         default_factory=list, description="Versions loaded per vLLM replica."
     )

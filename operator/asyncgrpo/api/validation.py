@@ -103,6 +103,17 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
         err("spec.trainer.metricsPort", f"{TRAINER_RENDEZVOUS_PORT} is the trainer's "
             "rendezvous port (torchrun): choose another")
 
+    if "none" in t.report_to and len(t.report_to) > 1:
+        err("spec.trainer.reportTo", f"'none' means no logger: it cannot stand beside "
+            f"{[x for x in t.report_to if x != 'none']}")
+    if len(set(t.report_to)) != len(t.report_to):
+        err("spec.trainer.reportTo", f"names a logger twice: {t.report_to}")
+    if t.report_to_secret and not re.fullmatch(
+            r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*",
+            t.report_to_secret):
+        err("spec.trainer.reportToSecret", f"{t.report_to_secret!r} is not a Secret name "
+            "(a DNS subdomain: lower-case letters, digits, '-' and '.')")
+
     if r.gpus_per_replica and r.gpus_per_replica < r.tensor_parallel_size:
         err("spec.rollout.gpusPerReplica", f"{r.gpus_per_replica} GPUs cannot hold "
             f"tensorParallelSize {r.tensor_parallel_size}: request at least as many (or 0 "

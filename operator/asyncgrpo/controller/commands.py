@@ -53,6 +53,11 @@ def register(subparsers) -> None:
                    help="URL template of a run's gateway ({name}, {namespace})")
     p.add_argument("--trainer-metrics-url", default=_env("TRAINER_METRICS_URL", None),
                    help="URL template of rank 0's metrics ({name}, {namespace}, {port})")
+    p.add_argument("--scrapers", default=_env("SCRAPERS", ""), metavar="JSON",
+                   help="JSON list of NetworkPolicy peers (namespaceSelector/podSelector) that "
+                        "may scrape the runs' metrics ports; the operator itself is always "
+                        "added (it reads rank 0's progress). Empty: pods labelled "
+                        "app.kubernetes.io/name=prometheus in any namespace, and the operator")
     p.add_argument("--webhook-port", type=int, default=int(_env("WEBHOOK_PORT", "0") or 0),
                    help="serve the validating admission webhook on this port (0: off); kopf "
                         "keeps the ValidatingWebhookConfiguration validate.asyncgrpo.dev")
@@ -90,6 +95,22 @@ def namespaces(args: argparse.Namespace) -> list[str]:
     return [n.strip() for n in env.split(",") if n.strip()]
 
 
+def scraper_peers(text: str) -> list[dict] | None:
+    """--scrapers: the given peers plus the operator's own (its progress scrape must keep
+    working whatever Prometheus a cluster runs); None (the built-in default) when empty."""
+    import json
+
+    from asyncgrpo.controller.network import OPERATOR_SCRAPER
+
+    if not text.strip():
+        return None
+    peers = json.loads(text)
+    if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+        raise SystemExit("asyncgrpo operator: --scrapers must be a JSON list of "
+                         "NetworkPolicy peers")
+    return [*peers, *([] if OPERATOR_SCRAPER in peers else [OPERATOR_SCRAPER])]
+
+
 def run_operator(args: argparse.Namespace) -> int:
     import asyncio
     import faulthandler
@@ -113,6 +134,7 @@ def run_operator(args: argparse.Namespace) -> int:
         settings.gateway_url = args.gateway_url
     if args.trainer_metrics_url:
         settings.trainer_metrics_url = args.trainer_metrics_url
+    settings.scrapers = scraper_peers(args.scrapers)
     settings.allowed_endpoints = [e.strip() for e in args.allowed_endpoints.split(",")
                                   if e.strip()]
     settings.cleanup_timeout_seconds = args.cleanup_timeout

@@ -24,6 +24,7 @@ from asyncgrpo.controller.common import (
     stamp,
     tmp_volume,
 )
+from asyncgrpo.controller.metrics import scrape_annotations
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, SANDBOX_TOKEN_KEY, secret_name
 
 COMPONENT = "gateway"
@@ -75,7 +76,8 @@ def build_deployment(run: AsyncGRPORun, replicas: int = 1) -> dict[str, Any]:
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector(run, COMPONENT)},
             "template": {
-                "metadata": {"labels": pod_labels(run, COMPONENT)},
+                "metadata": {"labels": pod_labels(run, COMPONENT),
+                             "annotations": scrape_annotations(GATEWAY_PORT)},
                 "spec": {
                     "serviceAccountName": name(run, COMPONENT),
                     "automountServiceAccountToken": True,

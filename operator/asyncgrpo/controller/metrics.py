@@ -9,6 +9,20 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+#: The annotations plain Prometheus keeps pods by (charts/asyncgrpo/files/prometheus-scrape.yaml)
+SCRAPE_ANNOTATION = "prometheus.io/scrape"
+PORT_ANNOTATION = "prometheus.io/port"
+PATH_ANNOTATION = "prometheus.io/path"
+
+
+def scrape_annotations(port: int, path: str = "/metrics") -> dict[str, str]:
+    """Pod annotations that tell a `kubernetes_sd_configs` job (role: pod) to scrape `path`
+    on `port`: the convention of Prometheus's example configuration, which the chart's
+    scrape job and most Prometheus installs follow. Prometheus Operator users select the
+    same pods with the chart's PodMonitor instead."""
+    return {SCRAPE_ANNOTATION: "true", PORT_ANNOTATION: str(port), PATH_ANNOTATION: path}
+
+
 PHASES = ("Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed")
 SANDBOX_STATES = ("warm", "busy", "starting", "failed")
 

@@ -28,12 +28,16 @@ from asyncgrpo.controller.common import (
     stamp,
 )
 
-#: Default scrapers: pods named prometheus or asyncgrpo-operator, in any namespace.
+#: The operator's pods (the chart's selector labels), in any namespace: it reads rank 0's
+#: progress, so it is a scraper whatever else is configured.
+OPERATOR_SCRAPER: dict[str, Any] = {"namespaceSelector": {}, "podSelector": {"matchLabels": {
+    "app.kubernetes.io/name": "asyncgrpo-operator"}}}
+#: Default scrapers: pods named prometheus or asyncgrpo-operator, in any namespace (Helm
+#: value metrics.scrapers narrows the first to one namespace or other labels).
 DEFAULT_SCRAPERS: list[dict[str, Any]] = [
     {"namespaceSelector": {}, "podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "prometheus"}}},
-    {"namespaceSelector": {}, "podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "asyncgrpo-operator"}}},
+    OPERATOR_SCRAPER,
 ]
 
 KUBE_DNS_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}

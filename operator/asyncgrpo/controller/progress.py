@@ -20,6 +20,7 @@ METRICS = {
     "asyncgrpo_trainer_forwarded_tokens_per_second": "unique_tokens_per_second",
     "asyncgrpo_trainer_tree_compression_ratio": "tree_compression_ratio",
     "asyncgrpo_trainer_served_logprob_diff": "served_logprob_diff",
+    "asyncgrpo_trainer_reward_mean": "reward_mean",
 }
 
 #: Largest |served - trained| log-prob on the trainer's probe that still counts as in sync
@@ -35,6 +36,7 @@ class Progress:
     raw_tokens_per_second: float | None = None
     unique_tokens_per_second: float | None = None
     tree_compression_ratio: float | None = None
+    reward_mean: float | None = None
 
 
 def parse(text: str) -> Progress:

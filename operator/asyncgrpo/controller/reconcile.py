@@ -464,7 +464,8 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         rt.metrics.spawned.labels(ns, name).inc(created)
 
     members = demand.members if demand else {}
-    counts = {"warm": 0, "busy": 0, "starting": len(adds) + created, "failed": 0}
+    counts = {"warm": 0, "busy": 0, "starting": len(adds) + created, "failed": 0,
+              "wanted": plan.target}
     for p in pods:
         if p.deleting or p.name in dels or p.name in deleted:
             continue

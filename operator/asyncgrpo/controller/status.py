@@ -199,6 +199,10 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
     if p is not None:
         if p.step is not None:
             status["step"] = p.step
+            if spec is not None:
+                status["progress"] = f"{p.step}/{spec.trainer.total_steps}"
+        if p.reward_mean is not None and p.reward_mean == p.reward_mean:   # not NaN
+            status["reward"] = round(p.reward_mean, 4)
         if p.policy_version is not None:
             status["policyVersion"] = p.policy_version
         tp = {k: v for k, v in (("rawTokensPerSecond", p.raw_tokens_per_second),
@@ -208,7 +212,9 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
         if tp:
             status["throughput"] = tp
     if spec is not None and spec.sandboxes is not None and obs.sandboxes:
-        status["sandboxes"] = dict(obs.sandboxes)
+        sb = status["sandboxes"] = dict(obs.sandboxes)
+        if "wanted" in sb:
+            sb["ready"] = f"{sb.get('warm', 0) + sb.get('busy', 0)}/{sb['wanted']}"
     if phase == RUNNING and not old.get("startTime"):
         status["startTime"] = now
     if phase in TERMINAL and not old.get("completionTime"):

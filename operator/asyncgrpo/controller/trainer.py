@@ -33,6 +33,7 @@ from asyncgrpo.controller.common import (
     stamp,
     tmp_volume,
 )
+from asyncgrpo.controller.metrics import scrape_annotations
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, secret_name
 from asyncgrpo.trainer.data import DEFAULT_CONFIGMAP_DIR
 
@@ -140,13 +141,20 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
         "resources": resources(t.resources, t.gpus_per_replica),
         "securityContext": container_security(),
         "volumeMounts": volume_mounts,
+        # the loggers' settings and credentials (spec.trainer.reportToSecret) reach the
+        # process as environment, never through the run's ConfigMap or argv
+        **({"envFrom": [{"secretRef": {"name": t.report_to_secret}}]}
+           if t.report_to_secret else {}),
         # every pod's local rank 0 serves it (asyncgrpo.trainer.metrics), not only rank 0's
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"},
                            "periodSeconds": 5},
     }
     pod = {
         "metadata": {"labels": pod_labels(run, COMPONENT),
-                     "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+                     # every rank's pod is scraped: rank 0 reports training, the others
+                     # asyncgrpo_trainer_node_info (asyncgrpo.trainer.metrics)
+                     "annotations": {CONFIG_HASH_ANNOTATION: config_hash,
+                                     **scrape_annotations(t.metrics_port)}},
         "spec": {
             "serviceAccountName": name(run, "workload"),
             "automountServiceAccountToken": False,

@@ -32,6 +32,7 @@ from asyncgrpo.controller.common import (
     stamp,
     tmp_volume,
 )
+from asyncgrpo.controller.metrics import scrape_annotations
 
 COMPONENT = "vllm"
 CACHE_DIR = "/var/cache/asyncgrpo"
@@ -140,7 +141,9 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
             "replicas": r.replicas if replicas is None else replicas,
             "selector": {"matchLabels": selector(run, COMPONENT)},
             "template": {
-                "metadata": {"labels": pod_labels(run, COMPONENT)},
+                # vLLM's own /metrics (vllm:*) on its API port
+                "metadata": {"labels": pod_labels(run, COMPONENT),
+                             "annotations": scrape_annotations(VLLM_PORT)},
                 "spec": {
                     "serviceAccountName": name(run, "workload"),
                     "automountServiceAccountToken": False,

@@ -64,11 +64,17 @@ class GatewayMetrics:
             "asyncgrpo_gateway_sandbox_failures_total",
             "Sandboxes taken out of service, by reason (health, lost, reset).", ["reason"], registry=r,
         )
+        # every reason exported from the start at 0: a first failure is then an increase that
+        # rate() and the chart's alert see, not a series appearing at 1
+        for reason in ("health", "lost", "reset"):
+            self.failures.labels(reason=reason)
         self.lease_wait = Histogram(
             "asyncgrpo_gateway_lease_wait_seconds",
             "Time from lease request to lease; start=warm if a sandbox was idle, cold if it waited.",
             ["start"], buckets=_WAIT_BUCKETS, registry=r,
         )
+        for start in ("warm", "cold"):
+            self.lease_wait.labels(start=start)
         self.leases_active = Gauge("asyncgrpo_gateway_leases_active", "Leases held now.", registry=r)
         self.leases_waiting = Gauge(
             "asyncgrpo_gateway_leases_waiting", "Lease requests waiting for a sandbox.", registry=r

@@ -67,10 +67,18 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
         # optimizer checkpointing; S3AdapterGRPOTrainer saves a LoRA's optimizer itself.
         save_only_model=world > 1,
         logging_steps=1,
-        report_to=[],
+        # TRL's own loggers (trackio, wandb, ...) beside the Prometheus endpoint, which
+        # every run has; "none" alone means none. Their settings come from the environment.
+        report_to=report_to(run),
+        run_name=run.metadata.name,
         disable_tqdm=True,
         log_completions=False,
     )
+
+
+def report_to(run) -> list[str]:
+    """spec.trainer.reportTo as TRL takes it: the loggers named, without "none"."""
+    return [x for x in run.spec.trainer.report_to if x != "none"]
 
 
 def environment_factory(run, env: RuntimeEnv):

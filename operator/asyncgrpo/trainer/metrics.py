@@ -36,8 +36,18 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "tree_compression_ratio": ("gauge", "Raw tokens / forwarded tokens of the last step.", ()),
     "step_seconds": (
         "histogram", "Wall-clock seconds of one optimizer step (rollout waits included).", ()),
+    "rollout_wait_seconds": (
+        "histogram", "Seconds of one step the trainer sat waiting for rollouts (empty queue).",
+        ()),
+    "train_seconds": (
+        "histogram", "Seconds of one step spent training: forward, backward and optimizer.", ()),
+    "weight_sync_seconds": (
+        "histogram", "Seconds of one step spent publishing the policy to vLLM.", ()),
     "sample_staleness_steps": (
         "gauge", "Mean policy versions between generating and training a sample.", ()),
+    "sample_staleness_max_steps": (
+        "gauge", "Most policy versions between generating and training a sample, last step.",
+        ()),
     "dropped_stale_samples_total": ("counter", "Samples dropped as older than maxStaleness.", ()),
     "adapter_publish_seconds": (
         "histogram", "Seconds from the end of a step to the adapter's manifest in the bucket.", ()),
@@ -204,6 +214,8 @@ class TrainerMetrics:
             self.set("reward_std", v)
         if (v := get("sample/staleness_mean")) is not None:
             self.set("sample_staleness_steps", v)
+        if (v := get("sample/staleness_max")) is not None:
+            self.set("sample_staleness_max_steps", v)
         if (v := get("sample/dropped_stale_total")) is not None:
             self.inc("dropped_stale_samples_total", v)
         if (v := get("sample/rollout_queue_size")) is not None:
@@ -214,6 +226,14 @@ class TrainerMetrics:
         step_s = get("perf/step_s")
         if step_s is not None:
             self.observe("step_seconds", step_s)
+        # the step split: waiting for rollouts (generation-bound) vs training (trainer-bound)
+        if (v := get("perf/rollout_wait_s")) is not None:
+            self.observe("rollout_wait_seconds", v)
+        fwd_bwd, opt = get("perf/fwd_bwd_s"), get("perf/optimizer_s")
+        if fwd_bwd is not None:
+            self.observe("train_seconds", fwd_bwd + (opt or 0.0))
+        if (v := get("perf/weight_sync_s")) is not None:
+            self.observe("weight_sync_seconds", v)
         fwd_s = get("perf/forwarded_tok_s_wall_clock")
         if fwd_s is not None:
             self.set("forwarded_tokens_per_second", fwd_s)

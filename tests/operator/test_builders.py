@@ -135,12 +135,15 @@ def test_user_env_wins_and_credentials_come_from_the_secret():
 
 
 def test_a_configmap_data_source_is_mounted_where_the_trainer_reads_it():
-    from asyncgrpo.trainer.data import DEFAULT_CONFIGMAP_DIR
+    from asyncgrpo.trainer.data import read_source
 
     run = run_of("moe-expert-parallel.yaml")
     pod = trainer.build_statefulset(run)["spec"]["template"]["spec"]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data")
-    assert mount == {"name": "data", "mountPath": DEFAULT_CONFIGMAP_DIR, "readOnly": True}
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    with pytest.raises(ValueError, match=f"mounted at {mount['mountPath']}/prompts.jsonl"):
+        read_source(run.spec.data, env=env)  # the path the trainer reads, with the pod's env
+    assert mount["readOnly"] is True
     volume = next(v for v in pod["volumes"] if v["name"] == "data")
     assert volume["configMap"] == {"name": "moe-prompts", "items": [
         {"key": "prompts.jsonl", "path": "prompts.jsonl"}]}

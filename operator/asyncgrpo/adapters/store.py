@@ -40,6 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
+from asyncgrpo import wire
 from asyncgrpo.api.layout import DEFAULT_NAMESPACE, run_folder
 
 log = logging.getLogger(__name__)
@@ -300,22 +301,22 @@ class AdapterStore:
         web identity); ``ASYNCGRPO_ADAPTER_ENDPOINT`` or ``AWS_ENDPOINT_URL_S3`` name the server.
         """
         env = os.environ if env is None else env
-        missing = [k for k in ("ASYNCGRPO_ADAPTER_BUCKET", "ASYNCGRPO_ADAPTER_RUN") if not env.get(k)]
+        missing = [k for k in (wire.ADAPTER_BUCKET_ENV, wire.ADAPTER_RUN_ENV) if not env.get(k)]
         if missing:
             raise ValueError(f"adapter store not configured: {', '.join(missing)} unset")
         opts: dict[str, Any] = {
-            "bucket": env["ASYNCGRPO_ADAPTER_BUCKET"],
-            "run": env["ASYNCGRPO_ADAPTER_RUN"],
-            "prefix": env.get("ASYNCGRPO_ADAPTER_PREFIX") or "asyncgrpo",
-            "namespace": env.get("ASYNCGRPO_ADAPTER_NAMESPACE") or None,
-            "endpoint_url": env.get("ASYNCGRPO_ADAPTER_ENDPOINT") or None,
-            "region": env.get("ASYNCGRPO_ADAPTER_REGION") or None,
-            "name_prefix": env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX,
+            "bucket": env[wire.ADAPTER_BUCKET_ENV],
+            "run": env[wire.ADAPTER_RUN_ENV],
+            "prefix": env.get(wire.ADAPTER_PREFIX_ENV) or "asyncgrpo",
+            "namespace": env.get(wire.ADAPTER_NAMESPACE_ENV) or None,
+            "endpoint_url": env.get(wire.ADAPTER_ENDPOINT_ENV) or None,
+            "region": env.get(wire.ADAPTER_REGION_ENV) or None,
+            "name_prefix": env.get(wire.ADAPTER_NAME_PREFIX_ENV) or DEFAULT_NAME_PREFIX,
         }
-        if env.get("ASYNCGRPO_ADAPTER_ATTEMPTS"):
-            opts["attempts"] = int(env["ASYNCGRPO_ADAPTER_ATTEMPTS"])
-        if env.get("ASYNCGRPO_ADAPTER_BACKOFF_S"):
-            opts["backoff_s"] = float(env["ASYNCGRPO_ADAPTER_BACKOFF_S"])
+        if env.get(wire.ADAPTER_ATTEMPTS_ENV):
+            opts["attempts"] = int(env[wire.ADAPTER_ATTEMPTS_ENV])
+        if env.get(wire.ADAPTER_BACKOFF_ENV):
+            opts["backoff_s"] = float(env[wire.ADAPTER_BACKOFF_ENV])
         opts.update(kwargs)
         return cls(**opts)
 

@@ -22,10 +22,6 @@ METRICS = {
     "asyncgrpo_trainer_served_logprob_diff": "served_logprob_diff",
 }
 
-#: Largest |served - trained| log-prob on the trainer's probe that still counts as in sync
-#: (the trainer's own default, ASYNCGRPO_PROBE_TOLERANCE).
-PROBE_TOLERANCE = 0.05
-
 
 @dataclass
 class Progress:

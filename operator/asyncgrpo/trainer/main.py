@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from asyncgrpo import wire
 from asyncgrpo.trainer.runtime_env import RuntimeEnv
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ def write_termination_message(step: int, policy_version: int,
     """Leave the final numbers where Kubernetes keeps them after the container exits (its
     termination message): the operator's last scrape may predate the last step. Outside a
     pod there is no such file and nothing is written."""
-    target = Path(os.environ.get("ASYNCGRPO_TERMINATION_LOG", path))
+    target = Path(os.environ.get(wire.TERMINATION_LOG_ENV, path))
     if not target.exists():
         return False
     try:
@@ -241,6 +242,6 @@ def write_termination_message(step: int, policy_version: int,
 def main_from_file(path: str | Path) -> int:
     from asyncgrpo.api import load_run
 
-    logging.basicConfig(level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=os.environ.get(wire.LOG_LEVEL_ENV, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_trainer(load_run(path))

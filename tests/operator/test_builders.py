@@ -287,6 +287,31 @@ def test_hashes_move_only_with_what_a_child_reads():
         configmap.build_config_map(base)
 
 
+@pytest.mark.parametrize("change", [
+    {"spec.rollout.maxLoraRank": 256}, {"spec.rollout.maxLoras": 7},
+    {"spec.rollout.maxModelLen": 12345}, {"spec.rollout.replicas": 5},
+    {"spec.rollout.extraArgs": ["--enforce-eager"]}, {"spec.sandboxes.minWarm": 9},
+    {"spec.adapterStore.createBucket": False}, {"spec.adapterStore.deletionPolicy": "Delete"},
+])
+def test_what_the_trainer_does_not_read_does_not_restart_it(change):
+    """vLLM's LoRA slots and context length, its replicas, the pool and the bucket's
+    lifecycle are outside the trainer's view of the run: its pods keep running."""
+    base = trainer.build_statefulset(run_of())
+    changed = trainer.build_statefulset(run_of(**change))
+    assert changed["spec"]["template"] == base["spec"]["template"]
+
+
+@pytest.mark.parametrize("change", [
+    {"spec.rollout.sampling": {"temperature": 0.5}}, {"spec.sandboxes.execTimeoutSeconds": 77},
+    {"spec.adapterStore.retention": 30}, {"spec.model.lora": {"rank": 8}},
+    {"spec.harness.maxTurns": 3},
+])
+def test_what_the_trainer_reads_restarts_it(change):
+    base = trainer.build_statefulset(run_of())["spec"]["template"]["metadata"]["annotations"]
+    changed = trainer.build_statefulset(run_of(**change))["spec"]["template"]["metadata"]
+    assert changed["annotations"] != base
+
+
 def test_token_secret_is_random_per_build():
     a, b = secret.build_secret(run_of()), secret.build_secret(run_of())
     assert a["stringData"]["gateway-token"] != b["stringData"]["gateway-token"]

@@ -3,8 +3,9 @@
 A StatefulSet gives each node a stable host name (`<run>-trainer-<i>.<run>-trainer`), so node
 0 is the static rendezvous point and a node's rank is its ordinal, read from the host name
 because Kubernetes 1.20 has no pod-index label. Pods start in parallel: torchrun waits for
-all of them anyway. The pod template hashes only the spec fields the trainer reads, so a
-change to, say, sandbox settings does not restart training.
+all of them anyway. The pod template carries a hash of the part of the run the trainer reads
+(`asyncgrpo.trainer.main.run_view`, an allowlist the trainer owns), so a change to, say,
+sandbox settings or vLLM's LoRA slots does not restart training.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from asyncgrpo.controller.common import (
     tmp_volume,
 )
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, secret_name
+from asyncgrpo.trainer.main import run_view
 from asyncgrpo.wire import (
     CONFIG_KEY,
     CONFIG_MOUNT,
@@ -80,24 +82,6 @@ def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
     return env + bucket_env(run)
 
 
-#: Spec fields the trainer process never reads: changing them must not restart training.
-_NOT_READ_BY_TRAINER = {
-    "rollout": {"image", "replicas", "tensorParallelSize", "gpuMemoryUtilization", "resources",
-                "extraArgs", "env"},
-    "sandboxes": {"image", "minWarm", "max", "hardCap", "resources", "runtimeClassName",
-                  "idleTtlSeconds", "network"},
-}
-
-
-def trainer_view(run: AsyncGRPORun) -> dict[str, Any]:
-    """The part of the run document the trainer reads; its hash rolls the trainer pods."""
-    spec = configmap.run_document(run)["spec"]
-    for section, fields in _NOT_READ_BY_TRAINER.items():
-        if isinstance(spec.get(section), dict):
-            spec[section] = {k: v for k, v in spec[section].items() if k not in fields}
-    return spec
-
-
 def build_service(run: AsyncGRPORun) -> dict[str, Any]:
     return service(run, COMPONENT, [
         {"name": "rendezvous", "port": wire.TRAINER_RENDEZVOUS_PORT,
@@ -110,7 +94,8 @@ def build_service(run: AsyncGRPORun) -> dict[str, Any]:
 def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[str, Any]:
     """`replicas` overrides the spec: 0 while suspended or while vLLM is not ready yet."""
     t = run.spec.trainer
-    config_hash = spec_hash({"spec": trainer_view(run)})
+    # what the trainer reads from its run file; the rest of the pod rolls it by itself
+    config_hash = spec_hash({"spec": run_view(run)})
     volume_mounts = [
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},

@@ -3,7 +3,8 @@
 Run as `asyncgrpo trainer --config run.yaml`, alone or under torchrun (the operator's
 StatefulSet command is `asyncgrpo.controller.trainer.torchrun_command`). The run model is the only configuration; deployment facts
 come from the environment (`runtime_env`). The mapping from the run to TRL's config is
-`trl_config`, kept pure so it can be read and tested without a model.
+`trl_config`, kept pure so it can be read and tested without a model; `run_view` is the
+part of the run that mapping (and everything else here) reads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,37 @@ from asyncgrpo import wire
 from asyncgrpo.trainer.runtime_env import RuntimeEnv
 
 log = logging.getLogger(__name__)
+
+#: The part of the run file this process reads, as run-document keys: a spec section in
+#: full (None) or the listed fields of it. The operator hashes `run_view` into the trainer
+#: pods' template, so a change outside it (vLLM's LoRA slots or replicas, the sandbox pool,
+#: bucket creation) never restarts training, and a change inside it always does. Whatever
+#: the trainer's code starts reading must be added here; tests/trainer/test_run_view.py
+#: checks that a run cut down to this view configures TRL, the harness and the bucket
+#: exactly as the whole run does.
+READS: dict[str, frozenset[str] | None] = {
+    "model": None,
+    "trainer": None,
+    "data": None,
+    "reward": None,
+    "harness": None,
+    "rollout": frozenset({"sampling"}),
+    "sandboxes": frozenset({"execTimeoutSeconds"}),
+    "adapterStore": frozenset({"endpoint", "bucket", "prefix", "region", "retention"}),
+}
+
+
+def run_view(run) -> dict:
+    """The run's spec as the run document has it (camelCase), cut down to READS."""
+    spec = run.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    view = {}
+    for section, fields in READS.items():
+        value = spec.get(section)
+        if isinstance(value, dict) and fields is not None:
+            value = {k: v for k, v in value.items() if k in fields}
+        if value is not None:
+            view[section] = value
+    return view
 
 
 def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):

@@ -133,29 +133,27 @@ def lora_config(spec):
 
 
 def _bucket_parts(run, env: RuntimeEnv, metrics):
+    """The adapter store, the checkpoints and the whole bucket (data), on one S3 client."""
+    from asyncgrpo import storage
     from asyncgrpo.adapters.store import AdapterStore
-    from asyncgrpo.api.layout import run_folder
-    from asyncgrpo.trainer.bucket import Bucket, s3_client
     from asyncgrpo.trainer.checkpoint import CheckpointStore
 
     s = run.spec.adapter_store
-    endpoint = env.s3_endpoint or s.endpoint
-    run_name = env.run_name or run.metadata.name
-    namespace = run.metadata.namespace
-    store = AdapterStore(s.bucket, run=run_name, prefix=s.prefix, namespace=namespace,
-                         endpoint_url=endpoint, region=s.region, attempts=3,
-                         backoff_s=env.retry_backoff_s)
+    # few tries per call: publish_until_done retries a publish until it is in
+    store = AdapterStore(s.bucket, run=env.run_name or run.metadata.name, prefix=s.prefix,
+                         namespace=run.metadata.namespace, region=s.region, attempts=3,
+                         backoff_s=env.retry_backoff_s,
+                         client=storage.client(env.s3_endpoint or s.endpoint, s.region))
 
     def on_retry(_what, _err):
         if metrics is not None:
             metrics.inc("retries_total", target="s3")
 
-    bucket = Bucket(s.bucket, run_folder(s.prefix, namespace, run_name),
-                    s3_client(endpoint, s.region), attempts=env.retry_attempts,
-                    backoff_s=env.retry_backoff_s, on_retry=on_retry)
-    data_bucket = Bucket(s.bucket, "", bucket.client, attempts=env.retry_attempts,
-                         backoff_s=env.retry_backoff_s, on_retry=on_retry)
-    return store, CheckpointStore(bucket), data_bucket
+    def bucket(root: str) -> storage.Bucket:
+        return storage.Bucket(s.bucket, root, store.client, attempts=env.retry_attempts,
+                              backoff_s=env.retry_backoff_s, on_retry=on_retry)
+
+    return store, CheckpointStore(bucket(store.folder)), bucket("")
 
 
 def _weight_store(store):

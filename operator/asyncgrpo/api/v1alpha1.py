@@ -27,9 +27,6 @@ Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-st
 #: `python` loads a user function named by `module`.
 BUILTIN_REWARDS = ("exact_match", "regex_match", "numeric_match", "sandbox_tests", "python")
 
-#: Ranks vLLM accepts for --max-lora-rank.
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
-
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 BUCKET_NAME = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"

@@ -16,7 +16,7 @@ from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORunSpec
 from asyncgrpo.api.validation import FieldError
 from asyncgrpo.controller.bucket import BucketError
-from asyncgrpo.controller.observe import Child
+from asyncgrpo.controller.observe import Child, workload
 from asyncgrpo.controller.progress import Progress
 
 PENDING, STARTING, RUNNING, SUSPENDED, SUCCEEDED, FAILED = (
@@ -65,16 +65,11 @@ def _problem(children: list[Child], component: str) -> Child | None:
                  and c.problem and not c.deleting), None)
 
 
-def _workload(children: list[Child], component: str) -> Child | None:
-    return next((c for c in children if c.kind in ("Deployment", "StatefulSet")
-                 and c.component == component), None)
-
-
 def _workload_condition(type_: str, children: list[Child], component: str, what: str,
                         stopped: str | None) -> dict[str, Any]:
     if stopped:
         return _cond(type_, False, stopped, f"{what} scaled to zero ({stopped.lower()})")
-    w = _workload(children, component)
+    w = workload(children, component)
     if w is None:
         return _cond(type_, False, "NotCreated", f"{what} not created yet")
     if w.replicas and w.ready_replicas >= w.replicas and w.up_to_date:

@@ -144,8 +144,18 @@ def client(endpoint: str | None, region: str | None, *, connect_timeout_s: float
     )
 
 
-def _is_missing(err: BaseException) -> bool:
-    return error_code(err)[0] in _MISSING_CODES
+def _unless_missing(fn: Callable[[], _T], missing: _T) -> Callable[[], _T]:
+    """fn, answering `missing` instead of raising when S3 says there is no such key."""
+
+    def run() -> _T:
+        try:
+            return fn()
+        except Exception as err:
+            if error_code(err)[0] in _MISSING_CODES:
+                return missing
+            raise
+
+    return run
 
 
 class Bucket:
@@ -207,16 +217,8 @@ class Bucket:
         return self.call("list", prefix, run)
 
     def exists(self, key: str) -> bool:
-        def run() -> bool:
-            try:
-                self.client.head_object(Bucket=self.bucket, Key=key)
-                return True
-            except Exception as e:
-                if _is_missing(e):
-                    return False
-                raise
-
-        return self.call("head", key, run)
+        return self.call("head", key, _unless_missing(
+            lambda: self.client.head_object(Bucket=self.bucket, Key=key) and True, False))
 
     def get_bytes(self, key: str) -> bytes:
         return self.call("get", key, lambda: self.client.get_object(
@@ -224,16 +226,8 @@ class Bucket:
 
     def get_or_none(self, key: str) -> bytes | None:
         """The object's bytes, or None when there is no such key."""
-
-        def run() -> bytes | None:
-            try:
-                return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-            except Exception as e:
-                if _is_missing(e):
-                    return None
-                raise
-
-        return self.call("get", key, run)
+        return self.call("get", key, _unless_missing(lambda: self.client.get_object(
+            Bucket=self.bucket, Key=key)["Body"].read(), None))
 
     def put_bytes(self, key: str, body: bytes, content_type: str | None = None) -> None:
         extra = {"ContentType": content_type} if content_type else {}
@@ -247,17 +241,8 @@ class Bucket:
     def download(self, key: str, path: Path) -> bool:
         """The object into path; False when there is no such key."""
         path.parent.mkdir(parents=True, exist_ok=True)
-
-        def run() -> bool:
-            try:
-                self.client.download_file(self.bucket, key, str(path))
-                return True
-            except Exception as e:
-                if _is_missing(e):
-                    return False
-                raise
-
-        return self.call("get", key, run)
+        return self.call("get", key, _unless_missing(
+            lambda: self.client.download_file(self.bucket, key, str(path)) or True, False))
 
     def delete(self, keys: list[str]) -> None:
         for batch in _chunks(keys, 1000):

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.local.vllm import VLLMServer, start_vllm_server, vllm_python, vllm_venv
+from asyncgrpo.local.vllm import vllm_python, vllm_venv
+from asyncgrpo.testing.vllm import VLLMServer, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 #: Bucket the shared server's resolver reads; tests publish into it.

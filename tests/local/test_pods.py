@@ -12,12 +12,10 @@ import yaml
 
 from asyncgrpo.api import load_run
 from asyncgrpo.controller import gateway, trainer, vllm
-from asyncgrpo.controller.common import RENDEZVOUS_PORT, SANDBOX_PORT, VLLM_PORT
 from asyncgrpo.controller.configmap import run_document
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, SANDBOX_TOKEN_KEY, secret_name
 from asyncgrpo.local.placement import build_placement, run_pods
 from asyncgrpo.local.pods import (
-    BIND_HOST_ENV,
     ImageRuntime,
     LocalPlacement,
     PodTranslationError,
@@ -25,6 +23,8 @@ from asyncgrpo.local.pods import (
     translate,
 )
 from asyncgrpo.local.vllm import vllm_venv
+from asyncgrpo.wire import BIND_HOST_ENV, SANDBOX_PORT, VLLM_PORT
+from asyncgrpo.wire import TRAINER_RENDEZVOUS_PORT as RENDEZVOUS_PORT
 from tests.api.invalid_specs import REPO
 
 CREDS = {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"}

@@ -109,6 +109,12 @@ class Api:
         return request(self.api, "GET", url, raw=True).decode()
 
 
+def reconcile_errors(metrics) -> dict[str, float]:
+    """error -> count of the operator's reconcile errors, read through its registry."""
+    return {s.labels["error"]: s.value for family in metrics.registry.collect()
+            for s in family.samples if s.name == "asyncgrpo_operator_reconcile_errors_total"}
+
+
 def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -135,12 +135,15 @@ def test_user_env_wins_and_credentials_come_from_the_secret():
 
 
 def test_a_configmap_data_source_is_mounted_where_the_trainer_reads_it():
-    from asyncgrpo.trainer.data import DEFAULT_CONFIGMAP_DIR
+    from asyncgrpo.trainer.data import read_source
 
     run = run_of("moe-expert-parallel.yaml")
     pod = trainer.build_statefulset(run)["spec"]["template"]["spec"]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data")
-    assert mount == {"name": "data", "mountPath": DEFAULT_CONFIGMAP_DIR, "readOnly": True}
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    with pytest.raises(ValueError, match=f"mounted at {mount['mountPath']}/prompts.jsonl"):
+        read_source(run.spec.data, env=env)  # the path the trainer reads, with the pod's env
+    assert mount["readOnly"] is True
     volume = next(v for v in pod["volumes"] if v["name"] == "data")
     assert volume["configMap"] == {"name": "moe-prompts", "items": [
         {"key": "prompts.jsonl", "path": "prompts.jsonl"}]}
@@ -282,6 +285,31 @@ def test_hashes_move_only_with_what_a_child_reads():
     # suspending changes replicas only
     assert configmap.build_config_map(run_of(**{"spec.suspend": True})) == \
         configmap.build_config_map(base)
+
+
+@pytest.mark.parametrize("change", [
+    {"spec.rollout.maxLoraRank": 256}, {"spec.rollout.maxLoras": 7},
+    {"spec.rollout.maxModelLen": 12345}, {"spec.rollout.replicas": 5},
+    {"spec.rollout.extraArgs": ["--enforce-eager"]}, {"spec.sandboxes.minWarm": 9},
+    {"spec.adapterStore.createBucket": False}, {"spec.adapterStore.deletionPolicy": "Delete"},
+])
+def test_what_the_trainer_does_not_read_does_not_restart_it(change):
+    """vLLM's LoRA slots and context length, its replicas, the pool and the bucket's
+    lifecycle are outside the trainer's view of the run: its pods keep running."""
+    base = trainer.build_statefulset(run_of())
+    changed = trainer.build_statefulset(run_of(**change))
+    assert changed["spec"]["template"] == base["spec"]["template"]
+
+
+@pytest.mark.parametrize("change", [
+    {"spec.rollout.sampling": {"temperature": 0.5}}, {"spec.sandboxes.execTimeoutSeconds": 77},
+    {"spec.adapterStore.retention": 30}, {"spec.model.lora": {"rank": 8}},
+    {"spec.harness.maxTurns": 3},
+])
+def test_what_the_trainer_reads_restarts_it(change):
+    base = trainer.build_statefulset(run_of())["spec"]["template"]["metadata"]["annotations"]
+    changed = trainer.build_statefulset(run_of(**change))["spec"]["template"]["metadata"]
+    assert changed["annotations"] != base
 
 
 def test_token_secret_is_random_per_build():

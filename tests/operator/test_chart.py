@@ -13,7 +13,14 @@ import pytest
 import yaml
 
 from tests.operator.conftest import operator_settings
-from tests.operator.helpers import component, kubelet, make_run, s3_secret, wait_for
+from tests.operator.helpers import (
+    component,
+    kubelet,
+    make_run,
+    reconcile_errors,
+    s3_secret,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "asyncgrpo"
@@ -227,7 +234,7 @@ def test_operator_runs_on_the_charts_rbac_alone(kube_cluster, api, crd_installed
         assert any(e["reason"] == "Running" for e in api.events(ns, "rbac"))
         api.delete("AsyncGRPORun", ns, "rbac")
         wait_for(lambda: api.get("AsyncGRPORun", ns, "rbac") is None, what="finalized")
-        assert op.runtime.metrics.reconcile_errors._metrics == {}
+        assert reconcile_errors(op.runtime.metrics) == {}
     finally:
         op.stop()
 

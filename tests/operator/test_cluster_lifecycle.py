@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.operator.helpers import component, kubelet, make_run, wait_for
+from tests.operator.helpers import component, kubelet, make_run, reconcile_errors, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -220,9 +220,9 @@ def test_hostile_spec_values_are_refused_children_not_a_crash(api, ns, s3_server
     assert f"{name}-vllm" in cond["message"] and cond["status"] == "True"
     assert api.get("StatefulSet", ns, f"{name}-trainer") is not None
     assert api.get("Deployment", ns, f"{name}-vllm") is None
-    before = operator.runtime.metrics.reconcile_errors._metrics.copy()
+    before = reconcile_errors(operator.runtime.metrics)
     time.sleep(2)
-    assert operator.runtime.metrics.reconcile_errors._metrics == before
+    assert reconcile_errors(operator.runtime.metrics) == before
 
 
 def test_removing_the_sandboxes_prunes_the_pool_and_its_children(api, ns, s3_server):

@@ -89,7 +89,8 @@ def test_delayed_watch_never_over_creates(api, ns, s3_server, peers, operator):
         assert watch_count(api, ns, "slow", 4) == 6
     finally:
         operator.runtime.settings.pod_watch_delay_seconds = 0.0
-    spawned = operator.runtime.metrics.spawned.labels(ns, "slow")._value.get()
+    spawned = operator.runtime.metrics.registry.get_sample_value(
+        "asyncgrpo_operator_sandboxes_spawned_total", {"namespace": ns, "run": "slow"})
     assert spawned == 6
 
 

@@ -17,10 +17,10 @@ from urllib.parse import urlparse
 
 import pytest
 
+from asyncgrpo import wire
 from asyncgrpo.api import load_run
 from asyncgrpo.cli import build_parser
 from asyncgrpo.controller import gateway, sandboxes, trainer, vllm
-from asyncgrpo.controller.common import VLLM_PORT
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.yaml"))
@@ -28,11 +28,11 @@ IMAGE_OF = {"trainer": "trainer", "vllm": "vllm", "gateway": "sandbox", "sandbox
             "weights-puller": "vllm"}
 #: the variables naming where each program writes (its code, TRL's and Hugging Face's)
 WRITES = {
-    "trainer": ("HOME", "HF_HOME", "ASYNCGRPO_WORK_DIR"),
-    "vllm": ("HOME", "HF_HOME", "ASYNCGRPO_ADAPTER_CACHE_DIR"),
+    "trainer": ("HOME", "HF_HOME", wire.WORK_DIR_ENV),
+    "vllm": ("HOME", "HF_HOME", wire.ADAPTER_CACHE_DIR_ENV),
     "gateway": (),
-    "sandbox": ("ASYNCGRPO_SANDBOX_WORKSPACE",),
-    "weights-puller": ("HOME", "ASYNCGRPO_WEIGHTS_DIR"),
+    "sandbox": (wire.SANDBOX_WORKSPACE_ENV,),
+    "weights-puller": ("HOME", wire.WEIGHTS_DIR_ENV),
 }
 
 
@@ -131,7 +131,7 @@ def test_container_matches_its_program_and_image(example, component, monkeypatch
 
         runtime = RuntimeEnv.from_env(env)  # raises on a malformed variable
         assert runtime.require_vllm()
-        listens.add(int(env["ASYNCGRPO_METRICS_PORT"]))
+        listens.add(int(env[wire.METRICS_PORT_ENV]))
         # the run file the command names is where the config map is mounted
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert str(Path(ours.config).parent) in mounts
@@ -159,7 +159,7 @@ def test_container_matches_its_program_and_image(example, component, monkeypatch
 
     # -- every port a probe names is a container port the program listens on
     ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
-    assert set(ports.values()) <= listens | {29500}, (ports, listens)  # + torchrun's store
+    assert set(ports.values()) <= listens | {wire.TRAINER_RENDEZVOUS_PORT}, (ports, listens)
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         if probe in container:
             port = container[probe]["httpGet"]["port"]
@@ -195,7 +195,7 @@ def test_every_url_names_a_service_port_that_is_served(example):
             named = {p["name"]: p["containerPort"] for p in target["ports"]}
             tp = port["targetPort"]
             assert (named[tp] if isinstance(tp, str) else tp) in named.values()
-    assert services(run)[f"{run.metadata.name}-vllm"]["spec"]["ports"][0]["port"] == VLLM_PORT
+    assert services(run)[f"{run.metadata.name}-vllm"]["spec"]["ports"][0]["port"] == wire.VLLM_PORT
 
 
 def test_sandbox_exec_timeout_of_the_run_is_the_servers_limit():
@@ -204,4 +204,4 @@ def test_sandbox_exec_timeout_of_the_run_is_the_servers_limit():
     run.spec.sandboxes.exec_timeout_seconds = 1800
     (container,) = sandboxes.build_pod(run, "x")["spec"]["containers"]
     env = plain_env(container)
-    assert float(env["ASYNCGRPO_SANDBOX_MAX_TIMEOUT_SECONDS"]) >= 1800
+    assert float(env[wire.SANDBOX_MAX_TIMEOUT_ENV]) >= 1800

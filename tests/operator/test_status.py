@@ -123,6 +123,27 @@ def test_trainer_metrics_are_mirrored():
         "status"] == "True"
 
 
+def test_adapter_in_sync_uses_the_trainers_tolerance_from_its_env():
+    """A run that overrides ASYNCGRPO_PROBE_TOLERANCE in spec.trainer.env gets a condition
+    that agrees with the trainer's own judgement (RuntimeEnv reads the same variable)."""
+    from asyncgrpo.trainer.runtime_env import RuntimeEnv
+
+    loose = run_of(**{"spec.trainer.env": [
+        {"name": "ASYNCGRPO_PROBE_TOLERANCE", "value": "0.5"}]}).spec
+    env = {e.name: e.value for e in loose.trainer.env}
+    assert RuntimeEnv.from_env(env).probe_tolerance == 0.5
+    p = Progress(step=3, policy_version=2, served_logprob_diff=0.3)
+    assert conds(compute(SPEC, running_obs(progress=p), {}, "T")[0])["AdapterInSync"][
+        "reason"] == "ServedPolicyMismatch"
+    c = conds(compute(loose, running_obs(progress=p), {}, "T")[0])["AdapterInSync"]
+    assert c["status"] == "True", c
+    # a malformed override stops the trainer; the condition keeps the default meanwhile
+    bad = run_of(**{"spec.trainer.env": [
+        {"name": "ASYNCGRPO_PROBE_TOLERANCE", "value": "lots"}]}).spec
+    assert conds(compute(bad, running_obs(progress=p), {}, "T")[0])["AdapterInSync"][
+        "reason"] == "ServedPolicyMismatch"
+
+
 def test_progress_metric_names_are_the_trainers():
     pytest.importorskip("asyncgrpo.trainer.metrics")
     from asyncgrpo.controller.progress import METRICS

@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from asyncgrpo.trainer.bucket import Bucket, BucketUnavailable, retry, s3_client
+from asyncgrpo.storage import Bucket, StoreRequestError, StoreUnavailable, retry
+from asyncgrpo.storage import client as s3_client
 from asyncgrpo.trainer.checkpoint import COMPLETE, CheckpointStore, step_dir
 from tests.conftest import free_port
 
@@ -77,20 +78,18 @@ def test_unreachable_bucket_retries_with_backoff_then_says_so(monkeypatch):
                backoff_s=0.01)
     seen = []
     b.on_retry = lambda what, err: seen.append(what)
-    with pytest.raises(BucketUnavailable, match=r"s3://bkt/r/x.*after 3 attempts"):
+    with pytest.raises(StoreUnavailable, match=r"s3://bkt/r/x.*after 3 attempts"):
         b.get_bytes("r/x")
     assert len(seen) == 3
 
 
 def test_permanent_errors_are_not_retried(s3_server, monkeypatch):
-    from botocore.exceptions import ClientError
-
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     calls = []
     b = Bucket("no-such-bucket-here", "r", s3_client(s3_server.endpoint, "us-east-1"),
                attempts=5, backoff_s=0.01, on_retry=lambda *a: calls.append(a))
-    with pytest.raises(ClientError):
+    with pytest.raises(StoreRequestError, match=r"s3://no-such-bucket-here/r/x.*NoSuchBucket"):
         b.get_bytes("r/x")
     assert calls == []
 

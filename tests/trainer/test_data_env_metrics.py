@@ -8,7 +8,8 @@ import urllib.request
 import pytest
 
 from asyncgrpo.api import parse_run
-from asyncgrpo.trainer.bucket import Bucket, s3_client
+from asyncgrpo.storage import Bucket
+from asyncgrpo.storage import client as s3_client
 from asyncgrpo.trainer.data import DataError, epoch_order, load_dataset, parse_jsonl
 from asyncgrpo.trainer.metrics import METRICS, PREFIX, TrainerMetrics
 from asyncgrpo.trainer.runtime_env import RuntimeEnv, RuntimeEnvError

@@ -7,7 +7,7 @@ to its full value), the global gradient norm and the parameters after one AdamW 
 Tolerances (documented in docs/trainer.md): loss and gradient norm rtol 1e-5; gradients atol
 1e-6 (measured ~4e-9: only the order of the cross-rank sum differs); parameters after AdamW
 atol 1e-4 (measured ~3e-7; Adam divides by sqrt(v)+eps, which amplifies rounding on tiny
-gradients, so this is the bound DESIGN.md measured for one step).
+gradients, so this is the bound measured here for one step).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def _vllm_pids(server) -> list[int]:
 
 @pytest.fixture
 def cores(vllm_server):
-    """Trainer on one core, vLLM on the others (DESIGN.md: they starve each other otherwise)."""
+    """Trainer on one core, vLLM on the others (they starve each other otherwise: docs/local.md)."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         yield None

@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncgrpo.local.vllm import launch_vllm, vllm_python, vllm_venv
+from asyncgrpo.local.vllm import vllm_python, vllm_venv
 from asyncgrpo.testing.net import free_port
+from asyncgrpo.testing.vllm import launch_vllm
 from asyncgrpo.weights.guard import MIDDLEWARE
 from tests.trainer.test_e2e_vllm import _env, _start, _status, _tail, _wait_or_kill
 

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from asyncgrpo.adapters.probe import served_prompt_logprobs, trained_prompt_logprobs
-from asyncgrpo.local.vllm import launch_vllm, vllm_python, vllm_venv
+from asyncgrpo.local.vllm import vllm_python, vllm_venv
 from asyncgrpo.testing.net import free_port
+from asyncgrpo.testing.vllm import launch_vllm
 from asyncgrpo.trainer.weights import BucketWeightTransfer
 from asyncgrpo.weights.guard import MIDDLEWARE
 from asyncgrpo.weights.puller import Puller, VLLMControl

@@ -168,7 +168,7 @@ def test_retention_never_drops_the_anchor_kept_versions_build_on(store, tmp_path
     # a partial version older than the floor (a dead publisher's) goes too
     store.client.put_object(Bucket=store.bucket, Key=store.version_prefix(3) + "x", Body=b"x")
     store.prune(2)
-    assert store._scan()[1] == {9, 10}
+    assert store.versions_in.scan()[1] == {9, 10}
 
 
 def test_moe_anchor_uses_the_checkpoint_names_and_layout(store, tmp_path):

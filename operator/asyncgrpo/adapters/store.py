@@ -29,18 +29,23 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Any
 
+from asyncgrpo import storage, wire
 from asyncgrpo.api.layout import DEFAULT_NAMESPACE, run_folder
+from asyncgrpo.storage import (  # noqa: F401  (the last two: raised through here, re-exported)
+    Bucket,
+    CompleteVersions,
+    StoreError,
+    StoreRequestError,
+    StoreUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,26 +53,14 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "asyncgrpo.adapter/v1"
 #: The served name of version N is f"{DEFAULT_NAME_PREFIX}{N}".
 DEFAULT_NAME_PREFIX = "policy-v"
-_VERSION_DIR = re.compile(r"^v(\d+)$")
 #: Files up to this size go in one PUT/GET; larger ones through boto3's multipart transfer
 #: manager (whose thread pool costs more than a small file's whole transfer).
 SINGLE_REQUEST_BYTES = 8 * 1024 * 1024
-_T = TypeVar("_T")
 
 
-class AdapterStoreError(Exception):
-    """Base of every error this module raises."""
-
-
-class StoreUnavailable(AdapterStoreError):
-    """The bucket could not be reached (connection, timeout, 5xx) after all retries.
-
-    Transient by nature: the caller keeps its state and tries again later.
-    """
-
-
-class StoreRequestError(AdapterStoreError):
-    """S3 answered with a permanent error (missing bucket, access denied, bad request)."""
+#: Base of every error this module raises (StoreUnavailable and StoreRequestError come from
+#: the bucket layer, `asyncgrpo.storage`, shared with checkpoints and weights).
+AdapterStoreError = StoreError
 
 
 class AdapterNotFound(AdapterStoreError):
@@ -195,56 +188,17 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _root_cause(err: BaseException) -> BaseException:
-    """boto3's transfer manager wraps S3 errors (S3UploadFailedError); classify the cause."""
-    seen = 0
-    while seen < 8:
-        nxt = err.__cause__ or err.__context__
-        if nxt is None or type(err).__module__.startswith("botocore"):
-            return err
-        err, seen = nxt, seen + 1
-    return err
-
-
-def _is_transient(err: BaseException) -> bool:
-    err = _root_cause(err)
-    from botocore.exceptions import (
-        ClientError,
-        ConnectionClosedError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        ReadTimeoutError,
-    )
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-
-    if isinstance(err, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError,
-                        ConnectionClosedError, BotoConnectionError, ConnectionError, TimeoutError)):
-        return True
-    if isinstance(err, ClientError):
-        status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        code = err.response.get("Error", {}).get("Code", "")
-        return status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError")
-    return False
-
-
-def _client_error_code(err: BaseException) -> tuple[str, str]:
-    from botocore.exceptions import ClientError
-
-    err = _root_cause(err)
-    if isinstance(err, ClientError):
-        e = err.response.get("Error", {})
-        return str(e.get("Code", "")), str(e.get("Message", ""))
-    return "", ""
-
-
 class AdapterStore:
     """Publish, list, fetch and prune the adapter versions of one run in one bucket.
 
     Thread-safe for concurrent readers (boto3 clients are); one trainer process publishes.
-    Every S3 call is retried with exponential backoff and jitter on transient errors
-    (connection refused, timeouts, 5xx, throttling); botocore's own retries are turned off
-    so that ``attempts`` bounds the total time a caller can be held.
+    Every S3 call goes through `asyncgrpo.storage.Bucket`: retried with exponential backoff
+    and jitter on transient errors, botocore's own retries off, so that ``attempts`` bounds
+    the total time a caller can be held.
     """
+
+    #: the sub-folder of the run's folder that holds the versions
+    FOLDER = "adapters"
 
     def __init__(
         self,
@@ -275,22 +229,14 @@ class AdapterStore:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         if client is None:
-            import boto3
-            from botocore.config import Config
-
-            client = boto3.session.Session().client(
-                "s3",
-                endpoint_url=endpoint_url or None,
-                region_name=region or None,
-                config=Config(
-                    retries={"total_max_attempts": 1, "mode": "standard"},
-                    connect_timeout=connect_timeout_s,
-                    read_timeout=read_timeout_s,
-                    # Path-style works with every S3-compatible server (MinIO, Ceph, moto).
-                    s3={"addressing_style": "path"},
-                ),
-            )
-        self.client = client
+            client = storage.client(endpoint_url, region, connect_timeout_s=connect_timeout_s,
+                                    read_timeout_s=read_timeout_s)
+        #: the run's folder in the bucket, every call retried (`asyncgrpo.storage`)
+        self.objects = Bucket(bucket, self.folder, client, attempts=self.attempts,
+                              backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+        #: v{N}/ sub-folders of FOLDER, complete once their manifest is in
+        self.versions_in = CompleteVersions(self.objects, self.FOLDER, MANIFEST, r"^v(\d+)$",
+                                            lambda n: f"v{int(n)}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **kwargs) -> AdapterStore:
@@ -300,147 +246,80 @@ class AdapterStore:
         web identity); ``ASYNCGRPO_ADAPTER_ENDPOINT`` or ``AWS_ENDPOINT_URL_S3`` name the server.
         """
         env = os.environ if env is None else env
-        missing = [k for k in ("ASYNCGRPO_ADAPTER_BUCKET", "ASYNCGRPO_ADAPTER_RUN") if not env.get(k)]
+        missing = [k for k in (wire.ADAPTER_BUCKET_ENV, wire.ADAPTER_RUN_ENV) if not env.get(k)]
         if missing:
             raise ValueError(f"adapter store not configured: {', '.join(missing)} unset")
         opts: dict[str, Any] = {
-            "bucket": env["ASYNCGRPO_ADAPTER_BUCKET"],
-            "run": env["ASYNCGRPO_ADAPTER_RUN"],
-            "prefix": env.get("ASYNCGRPO_ADAPTER_PREFIX") or "asyncgrpo",
-            "namespace": env.get("ASYNCGRPO_ADAPTER_NAMESPACE") or None,
-            "endpoint_url": env.get("ASYNCGRPO_ADAPTER_ENDPOINT") or None,
-            "region": env.get("ASYNCGRPO_ADAPTER_REGION") or None,
-            "name_prefix": env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX,
+            "bucket": env[wire.ADAPTER_BUCKET_ENV],
+            "run": env[wire.ADAPTER_RUN_ENV],
+            "prefix": env.get(wire.ADAPTER_PREFIX_ENV) or "asyncgrpo",
+            "namespace": env.get(wire.ADAPTER_NAMESPACE_ENV) or None,
+            "endpoint_url": env.get(wire.ADAPTER_ENDPOINT_ENV) or None,
+            "region": env.get(wire.ADAPTER_REGION_ENV) or None,
+            "name_prefix": env.get(wire.ADAPTER_NAME_PREFIX_ENV) or DEFAULT_NAME_PREFIX,
         }
-        if env.get("ASYNCGRPO_ADAPTER_ATTEMPTS"):
-            opts["attempts"] = int(env["ASYNCGRPO_ADAPTER_ATTEMPTS"])
-        if env.get("ASYNCGRPO_ADAPTER_BACKOFF_S"):
-            opts["backoff_s"] = float(env["ASYNCGRPO_ADAPTER_BACKOFF_S"])
+        if env.get(wire.ADAPTER_ATTEMPTS_ENV):
+            opts["attempts"] = int(env[wire.ADAPTER_ATTEMPTS_ENV])
+        if env.get(wire.ADAPTER_BACKOFF_ENV):
+            opts["backoff_s"] = float(env[wire.ADAPTER_BACKOFF_ENV])
         opts.update(kwargs)
         return cls(**opts)
+
+    @property
+    def client(self) -> Any:
+        """The boto3 client under every call (shared with the run's other stores)."""
+        return self.objects.client
+
+    @client.setter
+    def client(self, value: Any) -> None:
+        self.objects.client = value
 
     # -- keys -------------------------------------------------------------------------------
 
     @property
     def root(self) -> str:
-        """Key prefix of this run's adapters, ending in '/'."""
-        return self.folder + "adapters/"
+        """Key prefix of this run's versions, ending in '/'."""
+        return self.versions_in.root
 
     def version_prefix(self, version: int) -> str:
-        return f"{self.root}v{int(version)}/"
+        return self.versions_in.prefix(version)
 
     def url(self, key: str = "") -> str:
         """``s3://bucket/key`` for messages: names the object, not the server."""
-        return f"s3://{self.bucket}/{key}"
+        return self.objects.url(key)
 
     def name(self, version: int) -> str:
         return adapter_name(version, self.name_prefix)
 
-    def parse_name(self, name: str) -> int | None:
-        return parse_adapter_name(name, self.name_prefix)
-
-    # -- retries ----------------------------------------------------------------------------
-
-    def _call(self, what: str, key: str, fn: Callable[[], _T]) -> _T:
-        delay = self.backoff_s
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return fn()
-            except Exception as err:  # classified below
-                if not _is_transient(err):
-                    code, msg = _client_error_code(err)
-                    if code:
-                        raise StoreRequestError(
-                            f"{what} {self.url(key)} failed: {code}: {msg}"
-                        ) from None
-                    if type(_root_cause(err)).__module__.startswith(("botocore", "boto3")):
-                        raise StoreRequestError(
-                            f"{what} {self.url(key)} failed: {type(_root_cause(err)).__name__}"
-                        ) from None
-                    raise
-                if attempt == self.attempts:
-                    code, _ = _client_error_code(err)
-                    cause = code or type(err).__name__
-                    raise StoreUnavailable(
-                        f"{what} {self.url(key)}: object store unreachable after "
-                        f"{self.attempts} attempts ({cause})"
-                    ) from None
-                sleep = min(delay, self.max_backoff_s) * (0.5 + random.random() / 2)
-                log.warning("%s %s failed (%s), retry %d/%d in %.2fs", what, self.url(key),
-                            type(err).__name__, attempt, self.attempts - 1, sleep)
-                time.sleep(sleep)
-                delay *= 2
-        raise AssertionError("unreachable")
-
-    def _keys(self, prefix: str) -> dict[str, int]:
-        """Every key under prefix with its size (paginated)."""
-
-        def run() -> dict[str, int]:
-            out: dict[str, int] = {}
-            token = None
-            while True:
-                kw = {"Bucket": self.bucket, "Prefix": prefix}
-                if token:
-                    kw["ContinuationToken"] = token
-                resp = self.client.list_objects_v2(**kw)
-                for obj in resp.get("Contents", []):
-                    out[obj["Key"]] = int(obj["Size"])
-                if not resp.get("IsTruncated"):
-                    return out
-                token = resp["NextContinuationToken"]
-
-        return self._call("list", prefix, run)
-
-    def _get_bytes(self, key: str) -> bytes | None:
-        from botocore.exceptions import ClientError
-
-        def run() -> bytes | None:
-            try:
-                return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-            except ClientError as e:
-                if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                    return None
-                raise
-
-        return self._call("get", key, run)
-
     # -- versions ---------------------------------------------------------------------------
-
-    def _scan(self) -> tuple[set[int], set[int]]:
-        """(complete versions, versions with any object at all)."""
-        complete, seen = set(), set()
-        for key in self._keys(self.root):
-            parts = key[len(self.root):].split("/", 1)
-            m = _VERSION_DIR.match(parts[0])
-            if not m or len(parts) < 2:
-                continue
-            v = int(m.group(1))
-            seen.add(v)
-            if parts[1] == MANIFEST:
-                complete.add(v)
-        return complete, seen
 
     def versions(self) -> list[int]:
         """Complete versions (manifest present), oldest first."""
-        return sorted(self._scan()[0])
+        return self.versions_in.complete()
 
     def latest(self) -> int | None:
         """The newest complete version, or None before the first publish."""
         v = self.versions()
         return v[-1] if v else None
 
+    def _manifest_body(self, version: int) -> tuple[bytes, str]:
+        """(the manifest's bytes, its key) of a complete version; :class:`AdapterIncomplete`
+        or :class:`AdapterNotFound` otherwise."""
+        key = self.version_prefix(version) + MANIFEST
+        body = self.objects.get_or_none(key)
+        if body is None:
+            if self.versions_in.has_any(version):
+                raise AdapterIncomplete(
+                    f"{self.name(version)} at {self.url(self.version_prefix(version))} has "
+                    f"files but no {MANIFEST}: partial upload, not served"
+                )
+            raise AdapterNotFound(f"{self.name(version)} not found at {self.url(key)}")
+        return body, key
+
     def manifest(self, version: int) -> Manifest:
         """The manifest of a complete version; :class:`AdapterIncomplete` or
         :class:`AdapterNotFound` otherwise."""
-        key = self.version_prefix(version) + MANIFEST
-        body = self._get_bytes(key)
-        if body is None:
-            if self._keys(self.version_prefix(version)):
-                raise AdapterIncomplete(
-                    f"adapter version {version} at {self.url(self.version_prefix(version))} has "
-                    f"files but no {MANIFEST}: partial upload, not served"
-                )
-            raise AdapterNotFound(f"adapter version {version} not found at {self.url(key)}")
+        body, key = self._manifest_body(version)
         m = Manifest.from_json(body, where=self.url(key))
         if m.version != int(version):
             raise AdapterCorrupt(f"{self.url(key)} says version {m.version}, expected {version}")
@@ -480,21 +359,8 @@ class AdapterStore:
         base_model = base_model if base_model is not None else str(cfg.get("base_model_name_or_path") or "")
         rank = rank if rank is not None else cfg.get("r")
 
-        vprefix = self.version_prefix(version)
-        if self._get_bytes(vprefix + MANIFEST) is not None:
-            raise AdapterVersionExists(f"adapter version {version} already published at {self.url(vprefix)}")
-
-        entries: dict[str, FileEntry] = {}
-        for path, rel in zip(files, rels):
-            entries[rel] = FileEntry(sha256_file(path), path.stat().st_size)
-            key = vprefix + rel
-            if entries[rel].size <= SINGLE_REQUEST_BYTES:
-                data = path.read_bytes()
-                self._call("put", key, lambda k=key, d=data: self.client.put_object(
-                    Bucket=self.bucket, Key=k, Body=d))
-            else:
-                self._call("put", key, lambda p=path, k=key: self.client.upload_file(
-                    str(p), self.bucket, k))
+        vprefix = self._claim(version)
+        entries = self._upload_files(local_dir, files, rels, vprefix)
         manifest = Manifest(
             run=self.run,
             version=version,
@@ -505,13 +371,31 @@ class AdapterStore:
             created=datetime.now(UTC).isoformat(timespec="seconds"),
             extra=dict(extra or {}),
         )
-        body = manifest.to_json().encode()
-        key = vprefix + MANIFEST
-        self._call("put", key, lambda: self.client.put_object(
-            Bucket=self.bucket, Key=key, Body=body, ContentType="application/json"))
+        self.objects.put_bytes(vprefix + MANIFEST, manifest.to_json().encode(),
+                               content_type="application/json")
         log.info("published %s (%d files, %d bytes) to %s", self.name(version), len(entries),
                  manifest.total_bytes, self.url(vprefix))
         return manifest
+
+    def _claim(self, version: int) -> str:
+        """The version's key prefix, unless it is complete already (versions are immutable)."""
+        vprefix = self.version_prefix(version)
+        if self.objects.get_or_none(vprefix + MANIFEST) is not None:
+            raise AdapterVersionExists(f"{self.name(version)} already published at "
+                                       f"{self.url(vprefix)}")
+        return vprefix
+
+    def _upload_files(self, local_dir: Path, files: list[Path], rels: list[str],
+                      vprefix: str) -> dict[str, FileEntry]:
+        """Every file under vprefix (before the manifest that lists them); their entries."""
+        entries: dict[str, FileEntry] = {}
+        for path, rel in zip(files, rels):
+            entries[rel] = FileEntry(sha256_file(path), path.stat().st_size)
+            if entries[rel].size <= SINGLE_REQUEST_BYTES:
+                self.objects.put_bytes(vprefix + rel, path.read_bytes())
+            else:
+                self.objects.upload(path, vprefix + rel)
+        return entries
 
     # -- fetch ------------------------------------------------------------------------------
 
@@ -551,28 +435,19 @@ class AdapterStore:
         return manifest
 
     def _download_verified(self, version: int, manifest: Manifest, into: Path) -> None:
-        from botocore.exceptions import ClientError
-
         vprefix = self.version_prefix(version)
         for rel, entry in manifest.files.items():
             key = vprefix + rel
             target = into / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-
-            def get(k=key, t=target, small=entry.size <= SINGLE_REQUEST_BYTES) -> bool:
-                try:
-                    if small:
-                        body = self.client.get_object(Bucket=self.bucket, Key=k)["Body"].read()
-                        t.write_bytes(body)
-                    else:
-                        self.client.download_file(self.bucket, k, str(t))
-                    return True
-                except ClientError as e:
-                    if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                        return False
-                    raise
-
-            if not self._call("get", key, get):
+            if entry.size <= SINGLE_REQUEST_BYTES:
+                body = self.objects.get_or_none(key)
+                if body is not None:
+                    target.write_bytes(body)
+                found = body is not None
+            else:
+                found = self.objects.download(key, target)
+            if not found:
                 raise AdapterCorrupt(f"{self.name(version)}: {self.url(key)} is listed in the "
                                      f"manifest but missing")
             size = target.stat().st_size
@@ -596,31 +471,11 @@ class AdapterStore:
         partial ones may be in flight and are left alone.
         """
         keep = max(int(retention), int(max_staleness) + 2, 1)
-        complete, seen = self._scan()
-        kept = sorted(complete)[-keep:]
-        if not kept:
-            return []
-        floor = kept[0]
-        doomed = sorted(v for v in seen if v < floor)
-        for v in doomed:
-            self.delete_version(v)
+        doomed, kept = self.versions_in.prune(keep)
         if doomed:
             log.info("pruned adapter versions %s of run %s (keeping %s)", doomed, self.run, kept)
         return doomed
 
     def delete_version(self, version: int) -> None:
         """Remove one version, manifest first so it vanishes as a whole for readers."""
-        vprefix = self.version_prefix(version)
-        keys = sorted(self._keys(vprefix), key=lambda k: k != vprefix + MANIFEST)
-        if keys and keys[0] == vprefix + MANIFEST:
-            self._call("delete", keys[0], lambda: self.client.delete_object(
-                Bucket=self.bucket, Key=keys[0]))
-            keys = keys[1:]
-        for batch in _chunks(keys, 1000):
-            self._call("delete", vprefix, lambda b=batch: self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in b], "Quiet": True}))
-
-
-def _chunks(items: list[str], n: int) -> Iterable[list[str]]:
-    for i in range(0, len(items), n):
-        yield items[i:i + n]
+        self.versions_in.delete(version)

@@ -48,6 +48,7 @@ import time
 import zlib
 from pathlib import Path
 
+from asyncgrpo import wire
 from asyncgrpo.adapters.store import (
     DEFAULT_NAME_PREFIX,
     MANIFEST,
@@ -79,16 +80,17 @@ class S3AdapterResolver:
     def __init__(self, env: dict[str, str] | None = None):
         env = dict(os.environ if env is None else env)
         self.env = env
-        self.bucket = env.get("ASYNCGRPO_ADAPTER_BUCKET", "")
-        self.default_run = env.get("ASYNCGRPO_ADAPTER_RUN", "") or None
-        self.any_run = _truthy(env.get("ASYNCGRPO_ADAPTER_ANY_RUN"))
-        self.name_prefix = env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX
-        self.cache_dir = Path(env.get("ASYNCGRPO_ADAPTER_CACHE_DIR")
+        self.bucket = env.get(wire.ADAPTER_BUCKET_ENV, "")
+        self.default_run = env.get(wire.ADAPTER_RUN_ENV, "") or None
+        self.any_run = _truthy(env.get(wire.ADAPTER_ANY_RUN_ENV))
+        self.name_prefix = env.get(wire.ADAPTER_NAME_PREFIX_ENV) or DEFAULT_NAME_PREFIX
+        self.cache_dir = Path(env.get(wire.ADAPTER_CACHE_DIR_ENV)
                               or Path.home() / ".cache" / "asyncgrpo" / "adapters")
         if not self.bucket:
-            raise ValueError("ASYNCGRPO_ADAPTER_BUCKET is not set")
+            raise ValueError(f"{wire.ADAPTER_BUCKET_ENV} is not set")
         if not self.default_run and not self.any_run:
-            raise ValueError("ASYNCGRPO_ADAPTER_RUN is not set (or set ASYNCGRPO_ADAPTER_ANY_RUN=1)")
+            raise ValueError(f"{wire.ADAPTER_RUN_ENV} is not set "
+                             f"(or set {wire.ADAPTER_ANY_RUN_ENV}=1)")
         self._stores: dict[str, AdapterStore] = {}
         self._client = None
         self._lock = threading.Lock()
@@ -112,12 +114,12 @@ class S3AdapterResolver:
         with self._lock:
             if run not in self._stores:
                 if self._client is None:
-                    first = AdapterStore.from_env({**self.env, "ASYNCGRPO_ADAPTER_RUN": run})
+                    first = AdapterStore.from_env({**self.env, wire.ADAPTER_RUN_ENV: run})
                     self._client = first.client
                     self._stores[run] = first
                 else:
                     self._stores[run] = AdapterStore.from_env(
-                        {**self.env, "ASYNCGRPO_ADAPTER_RUN": run}, client=self._client)
+                        {**self.env, wire.ADAPTER_RUN_ENV: run}, client=self._client)
             return self._stores[run]
 
     def local_dir(self, run: str, version: int) -> Path:
@@ -187,8 +189,8 @@ def register() -> None:
     vLLM calls it in every process it starts (API server, engine core, workers): it only reads
     the environment and registers an object, no network and no boto3 import.
     """
-    if not os.environ.get("ASYNCGRPO_ADAPTER_BUCKET"):
-        log.debug("ASYNCGRPO_ADAPTER_BUCKET unset: S3 LoRA resolver not registered")
+    if not os.environ.get(wire.ADAPTER_BUCKET_ENV):
+        log.debug("%s unset: S3 LoRA resolver not registered", wire.ADAPTER_BUCKET_ENV)
         return
     try:
         core = S3AdapterResolver()

@@ -27,13 +27,8 @@ Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-st
 #: `python` loads a user function named by `module`.
 BUILTIN_REWARDS = ("exact_match", "regex_match", "numeric_match", "sandbox_tests", "python")
 
-#: Ranks vLLM accepts for --max-lora-rank.
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
-
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-#: torchrun's rendezvous port in every trainer pod: no other port of the pod may use it.
-TRAINER_RENDEZVOUS_PORT = 29500
 BUCKET_NAME = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 #: An S3 endpoint: scheme, a host (name, IPv4 or [IPv6]), an optional port and path; no user
 #: info, query or fragment.

@@ -24,11 +24,11 @@ from asyncgrpo import API_GROUP, KIND
 from asyncgrpo.api.v1alpha1 import (
     MAX_RUN_NAME,
     RUN_NAME,
-    TRAINER_RENDEZVOUS_PORT,
     AsyncGRPORun,
     AsyncGRPORunSpec,
 )
 from asyncgrpo.trainer.rewards import accepted_args
+from asyncgrpo.wire import TRAINER_RENDEZVOUS_PORT
 
 
 @dataclass(frozen=True)

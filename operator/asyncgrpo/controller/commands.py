@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 
-E = "ASYNCGRPO_OPERATOR_"
+from asyncgrpo.wire import OPERATOR_ENV_PREFIX
+
+E = OPERATOR_ENV_PREFIX
 
 
 def _env(name: str, default: str | None) -> str | None:

@@ -13,27 +13,13 @@ import hashlib
 import json
 from typing import Any
 
-from asyncgrpo import API_GROUP, __version__
-from asyncgrpo.api.v1alpha1 import (
-    TRAINER_RENDEZVOUS_PORT,
-    AsyncGRPORun,
-    EnvVar,
-    ResourceRequirements,
-)
+from asyncgrpo import API_GROUP, __version__, wire
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun, EnvVar, ResourceRequirements
 
 MANAGED_BY = "asyncgrpo-operator"
 RUN_LABEL = f"{API_GROUP}/run"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 HASH_ANNOTATION = f"{API_GROUP}/spec-hash"
-
-# ports the images listen on (asyncgrpo.sandbox.commands, vLLM's OpenAI server, torchrun)
-VLLM_PORT = 8000
-GATEWAY_PORT = 8080
-SANDBOX_PORT = 8000
-RENDEZVOUS_PORT = TRAINER_RENDEZVOUS_PORT
-
-CONFIG_MOUNT = "/etc/asyncgrpo"
-CONFIG_KEY = "run.yaml"
 
 # uid/gid of the `asyncgrpo` user in every image (images/*/Dockerfile)
 RUN_AS_USER = 65532
@@ -117,18 +103,20 @@ def merge_env(base: list[dict[str, Any]], extra: list[EnvVar]) -> list[dict[str,
 
 
 def bucket_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
-    """Where the run's bucket is: read by the trainer (AdapterStore.from_env) and vLLM's plugin."""
+    """Where the run's bucket is: read by vLLM's resolver plugin and the weights puller
+    (`AdapterStore.from_env`) and by the trainer (endpoint and region through boto3's
+    AWS_* variables; bucket, prefix and run come from its run file)."""
     store = run.spec.adapter_store
     env = [
-        {"name": "ASYNCGRPO_ADAPTER_BUCKET", "value": store.bucket},
-        {"name": "ASYNCGRPO_ADAPTER_RUN", "value": run.metadata.name},
-        {"name": "ASYNCGRPO_ADAPTER_PREFIX", "value": store.prefix},
-        {"name": "ASYNCGRPO_ADAPTER_NAMESPACE", "value": run.metadata.namespace or "default"},
-        {"name": "ASYNCGRPO_ADAPTER_REGION", "value": store.region},
+        {"name": wire.ADAPTER_BUCKET_ENV, "value": store.bucket},
+        {"name": wire.ADAPTER_RUN_ENV, "value": run.metadata.name},
+        {"name": wire.ADAPTER_PREFIX_ENV, "value": store.prefix},
+        {"name": wire.ADAPTER_NAMESPACE_ENV, "value": run.metadata.namespace or "default"},
+        {"name": wire.ADAPTER_REGION_ENV, "value": store.region},
         {"name": "AWS_DEFAULT_REGION", "value": store.region},
     ]
     if store.endpoint:
-        env += [{"name": "ASYNCGRPO_ADAPTER_ENDPOINT", "value": store.endpoint},
+        env += [{"name": wire.ADAPTER_ENDPOINT_ENV, "value": store.endpoint},
                 {"name": "AWS_ENDPOINT_URL_S3", "value": store.endpoint}]
     ref = store.credentials_secret
     if ref is not None:

@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.controller.common import CONFIG_KEY, metadata, stamp
+from asyncgrpo.controller.common import metadata, stamp
+from asyncgrpo.wire import CONFIG_KEY
 
 COMPONENT = "config"
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import sandboxes
 from asyncgrpo.controller.common import (
-    GATEWAY_PORT,
-    SANDBOX_PORT,
     container_security,
     metadata,
     name,
@@ -35,7 +34,7 @@ def label_selector(run: AsyncGRPORun) -> str:
 
 
 def build_service(run: AsyncGRPORun) -> dict[str, Any]:
-    return service(run, COMPONENT, [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http"}])
+    return service(run, COMPONENT, [{"name": "http", "port": wire.GATEWAY_PORT, "targetPort": "http"}])
 
 
 def build_deployment(run: AsyncGRPORun, replicas: int = 1) -> dict[str, Any]:
@@ -43,15 +42,15 @@ def build_deployment(run: AsyncGRPORun, replicas: int = 1) -> dict[str, Any]:
     assert sb is not None
     secret = secret_name(run)
     env = [
-        {"name": "ASYNCGRPO_GATEWAY_PORT", "value": str(GATEWAY_PORT)},
-        {"name": "ASYNCGRPO_GATEWAY_SELECTOR", "value": label_selector(run)},
-        {"name": "ASYNCGRPO_GATEWAY_NAMESPACE",
+        {"name": wire.GATEWAY_PORT_ENV, "value": str(wire.GATEWAY_PORT)},
+        {"name": wire.GATEWAY_SELECTOR_ENV, "value": label_selector(run)},
+        {"name": wire.GATEWAY_NAMESPACE_ENV,
          "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "ASYNCGRPO_GATEWAY_SANDBOX_PORT", "value": str(SANDBOX_PORT)},
-        {"name": "ASYNCGRPO_GATEWAY_MAX_EXEC_SECONDS", "value": str(sb.exec_timeout_seconds)},
-        {"name": "ASYNCGRPO_GATEWAY_TOKEN",
+        {"name": wire.GATEWAY_SANDBOX_PORT_ENV, "value": str(wire.SANDBOX_PORT)},
+        {"name": wire.GATEWAY_MAX_EXEC_ENV, "value": str(sb.exec_timeout_seconds)},
+        {"name": wire.GATEWAY_TOKEN_ENV,
          "valueFrom": {"secretKeyRef": {"name": secret, "key": GATEWAY_TOKEN_KEY}}},
-        {"name": "ASYNCGRPO_SANDBOX_TOKEN",
+        {"name": wire.SANDBOX_TOKEN_ENV,
          "valueFrom": {"secretKeyRef": {"name": secret, "key": SANDBOX_TOKEN_KEY}}},
     ]
     container = {
@@ -59,7 +58,7 @@ def build_deployment(run: AsyncGRPORun, replicas: int = 1) -> dict[str, Any]:
         "image": sb.image,
         "command": ["asyncgrpo", "gateway"],
         "env": env,
-        "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
+        "ports": [{"name": "http", "containerPort": wire.GATEWAY_PORT}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
                       "limits": {"cpu": "1", "memory": "512Mi"}},
         "securityContext": container_security(),

@@ -18,15 +18,8 @@ from typing import Any
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import gateway, sandboxes, trainer, vllm
-from asyncgrpo.controller.common import (
-    GATEWAY_PORT,
-    SANDBOX_PORT,
-    VLLM_PORT,
-    metadata,
-    name,
-    selector,
-    stamp,
-)
+from asyncgrpo.controller.common import metadata, name, selector, stamp
+from asyncgrpo.wire import GATEWAY_PORT, SANDBOX_PORT, VLLM_PORT
 
 #: The operator's pods (the chart's selector labels), in any namespace: it reads rank 0's
 #: progress, so it is a scraper whatever else is configured.

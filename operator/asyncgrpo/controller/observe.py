@@ -85,3 +85,9 @@ def summarize(body: dict[str, Any]) -> Child:
                  component=(meta.get("labels") or {}).get(COMPONENT_LABEL, ""),
                  hash=(meta.get("annotations") or {}).get(HASH_ANNOTATION),
                  deleting=bool(meta.get("deletionTimestamp")), **fields)
+
+
+def workload(children: list[Child], component: str) -> Child | None:
+    """The Deployment or StatefulSet of one component among a run's children, if any."""
+    return next((c for c in children if c.kind in ("Deployment", "StatefulSet")
+                 and c.component == component), None)

@@ -23,10 +23,6 @@ METRICS = {
     "asyncgrpo_trainer_reward_mean": "reward_mean",
 }
 
-#: Largest |served - trained| log-prob on the trainer's probe that still counts as in sync
-#: (the trainer's own default, ASYNCGRPO_PROBE_TOLERANCE).
-PROBE_TOLERANCE = 0.05
-
 
 @dataclass
 class Progress:

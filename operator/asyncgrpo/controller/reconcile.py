@@ -34,7 +34,7 @@ from asyncgrpo.controller import bucket, pool, progress, sandboxes, secret
 from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION
-from asyncgrpo.controller.observe import Child
+from asyncgrpo.controller.observe import Child, workload
 from asyncgrpo.controller.runtime import RunState, Runtime
 from asyncgrpo.controller.status import TERMINAL, Observation, Transition, compute
 
@@ -69,13 +69,8 @@ def run_document(body: dict[str, Any]) -> dict[str, Any]:
             "spec": body.get("spec") or {}}
 
 
-def _workload(children: list[Child], component: str) -> Child | None:
-    return next((c for c in children if c.kind in ("Deployment", "StatefulSet")
-                 and c.component == component), None)
-
-
 def _ready(children: list[Child], component: str) -> bool:
-    w = _workload(children, component)
+    w = workload(children, component)
     return w is not None and w.replicas > 0 and w.ready_replicas >= w.replicas
 
 
@@ -105,7 +100,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     stopped = run.spec.suspend or terminal
 
     _check_bucket(rt, state, run, obs, str(meta.get("uid") or ""))
-    trainer_up = (w := _workload(children, "trainer")) is not None and w.replicas > 0
+    trainer_up = (w := workload(children, "trainer")) is not None and w.replicas > 0
     deps_ready = _ready(children, "vllm") and (
         run.spec.sandboxes is None or _ready(children, "gateway"))
     start = trainer_up or (deps_ready and obs.bucket_error is None and obs.bucket_checked)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller.common import (
     HASH_ANNOTATION,
-    SANDBOX_PORT,
     container_security,
     metadata,
     name,
@@ -56,21 +56,19 @@ def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:
         "image": sb.image,
         "command": ["asyncgrpo", "sandbox", "serve"],
         "env": [
-            {"name": "ASYNCGRPO_SANDBOX_PORT", "value": str(SANDBOX_PORT)},
-            {"name": "ASYNCGRPO_SANDBOX_WORKSPACE", "value": "/workspace"},
-            {"name": "ASYNCGRPO_SANDBOX_DEFAULT_TIMEOUT_SECONDS",
-             "value": str(sb.exec_timeout_seconds)},
+            {"name": wire.SANDBOX_PORT_ENV, "value": str(wire.SANDBOX_PORT)},
+            {"name": wire.SANDBOX_WORKSPACE_ENV, "value": wire.SANDBOX_WORKSPACE},
+            {"name": wire.SANDBOX_DEFAULT_TIMEOUT_ENV, "value": str(sb.exec_timeout_seconds)},
             # the run's limit is the server's: its own default (600 s) would clamp silently
-            {"name": "ASYNCGRPO_SANDBOX_MAX_TIMEOUT_SECONDS",
-             "value": str(sb.exec_timeout_seconds)},
-            {"name": "ASYNCGRPO_SANDBOX_TOKEN",
+            {"name": wire.SANDBOX_MAX_TIMEOUT_ENV, "value": str(sb.exec_timeout_seconds)},
+            {"name": wire.SANDBOX_TOKEN_ENV,
              "valueFrom": {"secretKeyRef": {"name": secret_name(run), "key": SANDBOX_TOKEN_KEY}}},
         ],
-        "ports": [{"name": "http", "containerPort": SANDBOX_PORT}],
+        "ports": [{"name": "http", "containerPort": wire.SANDBOX_PORT}],
         "resources": sandbox_resources(run),
         "securityContext": container_security(),
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2},
-        "volumeMounts": [{"name": "workspace", "mountPath": "/workspace"},
+        "volumeMounts": [{"name": "workspace", "mountPath": wire.SANDBOX_WORKSPACE},
                          {"name": "tmp", "mountPath": "/tmp"}],
     }
     spec: dict[str, Any] = {

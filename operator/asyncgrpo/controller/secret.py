@@ -1,8 +1,12 @@
 """The run's token Secret: the gateway's and the sandboxes' bearer tokens.
 
 Tokens are random and made once; the reconcile creates this Secret only when it is missing
-and never rewrites it, so rotating is deleting it (the operator makes new ones and the pods
-pick them up on restart). Tokens never appear in status, events or logs.
+and never rewrites it. Deleting it makes the operator create new tokens, but that alone
+rotates nothing: pods read their tokens from the environment when they start, and the
+operator does not restart them. Rotating is deleting the Secret and then restarting the
+gateway, the trainer and the sandbox pods; until all have restarted, pods started before and
+after hold different tokens and refuse each other. Tokens never appear in status, events or
+logs.
 """
 
 from __future__ import annotations

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORunSpec
 from asyncgrpo.api.validation import FieldError
 from asyncgrpo.controller.bucket import BucketError
-from asyncgrpo.controller.observe import Child
-from asyncgrpo.controller.progress import PROBE_TOLERANCE, Progress
+from asyncgrpo.controller.observe import Child, workload
+from asyncgrpo.controller.progress import Progress
 
 PENDING, STARTING, RUNNING, SUSPENDED, SUCCEEDED, FAILED = (
     "Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed")
@@ -64,16 +65,11 @@ def _problem(children: list[Child], component: str) -> Child | None:
                  and c.problem and not c.deleting), None)
 
 
-def _workload(children: list[Child], component: str) -> Child | None:
-    return next((c for c in children if c.kind in ("Deployment", "StatefulSet")
-                 and c.component == component), None)
-
-
 def _workload_condition(type_: str, children: list[Child], component: str, what: str,
                         stopped: str | None) -> dict[str, Any]:
     if stopped:
         return _cond(type_, False, stopped, f"{what} scaled to zero ({stopped.lower()})")
-    w = _workload(children, component)
+    w = workload(children, component)
     if w is None:
         return _cond(type_, False, "NotCreated", f"{what} not created yet")
     if w.replicas and w.ready_replicas >= w.replicas and w.up_to_date:
@@ -161,7 +157,7 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
             trainer = _workload_condition("TrainerReady", obs.children, "trainer", "trainer",
                                           stopped)
         conds.append(trainer)
-        conds.append(_adapter_condition(obs.progress))
+        conds.append(_adapter_condition(obs.progress, probe_tolerance(spec)))
 
         if obs.apply_errors:
             reason, message = obs.apply_errors[0]
@@ -255,7 +251,17 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
                  f"{ready}/{need} warm sandboxes ready")
 
 
-def _adapter_condition(p: Progress | None) -> dict[str, Any]:
+def probe_tolerance(spec: AsyncGRPORunSpec) -> float:
+    """The tolerance the trainer applies to its probe: its default, or the run's override in
+    `spec.trainer.env` (a malformed one stops the trainer at start; here it is the default)."""
+    env = {e.name: e.value for e in spec.trainer.env if e.value is not None}
+    try:
+        return wire.probe_tolerance(env)
+    except ValueError:
+        return wire.DEFAULT_PROBE_TOLERANCE
+
+
+def _adapter_condition(p: Progress | None, tolerance: float) -> dict[str, Any]:
     """The trainer probes vLLM with `policy-v<N>` after publishing N and exports the largest
     log-prob difference between served and trained policy (asyncgrpo.adapters.probe)."""
     if p is None or p.policy_version is None:
@@ -263,12 +269,12 @@ def _adapter_condition(p: Progress | None) -> dict[str, Any]:
     if p.served_logprob_diff is None or p.served_logprob_diff != p.served_logprob_diff:
         return _cond("AdapterInSync", None, "NotProbed",
                      f"policy v{p.policy_version} published; not probed on vLLM yet")
-    if p.served_logprob_diff <= PROBE_TOLERANCE:
+    if p.served_logprob_diff <= tolerance:
         return _cond("AdapterInSync", True, "InSync", f"vLLM serves policy v{p.policy_version} "
                      f"(probe log-prob difference {p.served_logprob_diff:.2g})")
     return _cond("AdapterInSync", False, "ServedPolicyMismatch",
                  f"vLLM's policy v{p.policy_version} differs from the trained one by "
-                 f"{p.served_logprob_diff:.3g} nats on the probe (tolerance {PROBE_TOLERANCE})")
+                 f"{p.served_logprob_diff:.3g} nats on the probe (tolerance {tolerance:g})")
 
 
 def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, Any]], generation: int,

@@ -3,22 +3,19 @@
 A StatefulSet gives each node a stable host name (`<run>-trainer-<i>.<run>-trainer`), so node
 0 is the static rendezvous point and a node's rank is its ordinal, read from the host name
 because Kubernetes 1.20 has no pod-index label. Pods start in parallel: torchrun waits for
-all of them anyway. The pod template hashes only the spec fields the trainer reads, so a
-change to, say, sandbox settings does not restart training.
+all of them anyway. The pod template carries a hash of the part of the run the trainer reads
+(`asyncgrpo.trainer.main.run_view`, an allowlist the trainer owns), so a change to, say,
+sandbox settings or vLLM's LoRA slots does not restart training.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import configmap
 from asyncgrpo.controller.common import (
-    CONFIG_KEY,
-    CONFIG_MOUNT,
-    GATEWAY_PORT,
-    RENDEZVOUS_PORT,
-    VLLM_PORT,
     bucket_env,
     container_security,
     merge_env,
@@ -35,22 +32,26 @@ from asyncgrpo.controller.common import (
 )
 from asyncgrpo.controller.metrics import scrape_annotations
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, secret_name
-from asyncgrpo.trainer.data import DEFAULT_CONFIGMAP_DIR
+from asyncgrpo.trainer.main import run_view
+from asyncgrpo.wire import (
+    CONFIG_KEY,
+    CONFIG_MOUNT,
+    DATA_DIR,
+    GATEWAY_PORT,
+    HF_HOME,
+    VLLM_PORT,
+)
 
 COMPONENT = "trainer"
 CONFIG_HASH_ANNOTATION = "asyncgrpo.dev/config-hash"
-#: scratch (TRL's output dir, checkpoint staging, status.json) and the Hugging Face cache,
-#: both emptyDirs: the image's defaults are on its read-only root
-WORK_DIR = "/var/lib/asyncgrpo"
-HF_HOME = "/var/cache/asyncgrpo/hf"
 
 
 def torchrun_command(run: AsyncGRPORun) -> list[str]:
     # the node rank is the StatefulSet ordinal, the suffix of the host name
     script = (
-        'exec torchrun --nnodes="$ASYNCGRPO_NNODES" --nproc-per-node="$ASYNCGRPO_NPROC" '
-        '--node-rank="${HOSTNAME##*-}" --master-addr="$ASYNCGRPO_MASTER_ADDR" '
-        '--master-port="$ASYNCGRPO_MASTER_PORT" -m asyncgrpo.cli trainer '
+        f'exec torchrun --nnodes="${wire.NNODES_ENV}" --nproc-per-node="${wire.NPROC_ENV}" '
+        f'--node-rank="${{HOSTNAME##*-}}" --master-addr="${wire.MASTER_ADDR_ENV}" '
+        f'--master-port="${wire.MASTER_PORT_ENV}" -m asyncgrpo.cli trainer '
         f'--config "{CONFIG_MOUNT}/{CONFIG_KEY}"'
     )
     return ["/bin/sh", "-c", script]
@@ -59,49 +60,33 @@ def torchrun_command(run: AsyncGRPORun) -> list[str]:
 def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
     t = run.spec.trainer
     env = [
-        {"name": "ASYNCGRPO_NNODES", "value": str(t.replicas)},
-        {"name": "ASYNCGRPO_NPROC", "value": str(max(t.gpus_per_replica, 1))},
-        {"name": "ASYNCGRPO_MASTER_ADDR",
+        {"name": wire.NNODES_ENV, "value": str(t.replicas)},
+        {"name": wire.NPROC_ENV, "value": str(max(t.gpus_per_replica, 1))},
+        {"name": wire.MASTER_ADDR_ENV,
          "value": f"{name(run, COMPONENT)}-0.{name(run, COMPONENT)}"},
-        {"name": "ASYNCGRPO_MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
-        {"name": "ASYNCGRPO_VLLM_URL", "value": f"http://{name(run, 'vllm')}:{VLLM_PORT}"},
-        {"name": "ASYNCGRPO_METRICS_PORT", "value": str(t.metrics_port)},
+        {"name": wire.MASTER_PORT_ENV, "value": str(wire.TRAINER_RENDEZVOUS_PORT)},
+        {"name": wire.VLLM_URL_ENV, "value": f"http://{name(run, 'vllm')}:{VLLM_PORT}"},
+        {"name": wire.METRICS_PORT_ENV, "value": str(t.metrics_port)},
         # the root filesystem is read-only: every path the trainer writes is an emptyDir
-        {"name": "ASYNCGRPO_WORK_DIR", "value": WORK_DIR},
+        # (the work dir: TRL's output dir, checkpoint staging, status.json; HF_HOME: the cache)
+        {"name": wire.WORK_DIR_ENV, "value": wire.TRAINER_WORK_DIR},
         {"name": "HF_HOME", "value": HF_HOME},
         {"name": "HOME", "value": "/tmp"},
     ]
     if run.spec.sandboxes is not None:
         env += [
-            {"name": "ASYNCGRPO_GATEWAY_URL",
+            {"name": wire.GATEWAY_URL_ENV,
              "value": f"http://{name(run, 'gateway')}:{GATEWAY_PORT}"},
-            {"name": "ASYNCGRPO_GATEWAY_TOKEN", "valueFrom": {"secretKeyRef": {
+            {"name": wire.GATEWAY_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                 "name": secret_name(run), "key": GATEWAY_TOKEN_KEY}}},
         ]
     return env + bucket_env(run)
 
 
-#: Spec fields the trainer process never reads: changing them must not restart training.
-_NOT_READ_BY_TRAINER = {
-    "rollout": {"image", "replicas", "tensorParallelSize", "gpuMemoryUtilization", "resources",
-                "extraArgs", "env"},
-    "sandboxes": {"image", "minWarm", "max", "hardCap", "resources", "runtimeClassName",
-                  "idleTtlSeconds", "network"},
-}
-
-
-def trainer_view(run: AsyncGRPORun) -> dict[str, Any]:
-    """The part of the run document the trainer reads; its hash rolls the trainer pods."""
-    spec = configmap.run_document(run)["spec"]
-    for section, fields in _NOT_READ_BY_TRAINER.items():
-        if isinstance(spec.get(section), dict):
-            spec[section] = {k: v for k, v in spec[section].items() if k not in fields}
-    return spec
-
-
 def build_service(run: AsyncGRPORun) -> dict[str, Any]:
     return service(run, COMPONENT, [
-        {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT},
+        {"name": "rendezvous", "port": wire.TRAINER_RENDEZVOUS_PORT,
+         "targetPort": wire.TRAINER_RENDEZVOUS_PORT},
         {"name": "metrics", "port": run.spec.trainer.metrics_port,
          "targetPort": run.spec.trainer.metrics_port},
     ], headless=True)
@@ -110,13 +95,14 @@ def build_service(run: AsyncGRPORun) -> dict[str, Any]:
 def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[str, Any]:
     """`replicas` overrides the spec: 0 while suspended or while vLLM is not ready yet."""
     t = run.spec.trainer
-    config_hash = spec_hash({"spec": trainer_view(run)})
+    # what the trainer reads from its run file; the rest of the pod rolls it by itself
+    config_hash = spec_hash({"spec": run_view(run)})
     volume_mounts = [
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "work", "mountPath": WORK_DIR},
-        {"name": "cache", "mountPath": "/var/cache/asyncgrpo"},
+        {"name": "work", "mountPath": wire.TRAINER_WORK_DIR},
+        {"name": "cache", "mountPath": wire.CACHE_DIR},
     ]
     volumes = [
         {"name": "config", "configMap": {"name": name(run, configmap.COMPONENT)}},
@@ -126,8 +112,8 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
         tmp_volume("cache"),
     ]
     data_cm = run.spec.data.config_map
-    if data_cm is not None:  # the trainer reads <DEFAULT_CONFIGMAP_DIR>/<key>
-        volume_mounts.append({"name": "data", "mountPath": DEFAULT_CONFIGMAP_DIR,
+    if data_cm is not None:  # the trainer reads <DATA_DIR>/<key>
+        volume_mounts.append({"name": "data", "mountPath": DATA_DIR,
                               "readOnly": True})
         volumes.append({"name": "data", "configMap": {
             "name": data_cm.name, "items": [{"key": data_cm.key, "path": data_cm.key}]}})
@@ -136,7 +122,7 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
         "image": t.image,
         "command": torchrun_command(run),
         "env": merge_env(trainer_env(run), t.env),
-        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+        "ports": [{"name": "rendezvous", "containerPort": wire.TRAINER_RENDEZVOUS_PORT},
                   {"name": "metrics", "containerPort": t.metrics_port}],
         "resources": resources(t.resources, t.gpus_per_replica),
         "securityContext": container_security(),

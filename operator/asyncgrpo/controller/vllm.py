@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller.common import (
-    VLLM_PORT,
     bucket_env,
     container_security,
     merge_env,
@@ -33,11 +33,9 @@ from asyncgrpo.controller.common import (
     tmp_volume,
 )
 from asyncgrpo.controller.metrics import scrape_annotations
+from asyncgrpo.wire import CACHE_DIR, PULLER_PORT, VLLM_PORT, WEIGHTS_DIR
 
 COMPONENT = "vllm"
-CACHE_DIR = "/var/cache/asyncgrpo"
-WEIGHTS_DIR = f"{CACHE_DIR}/weights"
-PULLER_PORT = 8100
 
 
 def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
@@ -64,9 +62,9 @@ def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
 def server_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
     env = [
         {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
+        {"name": "HF_HOME", "value": wire.HF_HOME},
         {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "1"},
-        {"name": "ASYNCGRPO_ADAPTER_CACHE_DIR", "value": f"{CACHE_DIR}/adapters"},
+        {"name": wire.ADAPTER_CACHE_DIR_ENV, "value": wire.ADAPTER_CACHE_DIR},
     ]
     if run.spec.model.finetuning == "full":
         env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
@@ -77,9 +75,9 @@ def puller_container(run: AsyncGRPORun) -> dict[str, Any]:
     """The weights puller sidecar (full fine-tuning): same image, the `asyncgrpo` command."""
     env = [
         {"name": "HOME", "value": "/tmp"},
-        {"name": "ASYNCGRPO_WEIGHTS_DIR", "value": WEIGHTS_DIR},
-        {"name": "ASYNCGRPO_WEIGHTS_VLLM_URL", "value": f"http://127.0.0.1:{VLLM_PORT}"},
-        {"name": "ASYNCGRPO_WEIGHTS_PORT", "value": str(PULLER_PORT)},
+        {"name": wire.WEIGHTS_DIR_ENV, "value": WEIGHTS_DIR},
+        {"name": wire.WEIGHTS_VLLM_URL_ENV, "value": f"http://127.0.0.1:{VLLM_PORT}"},
+        {"name": wire.WEIGHTS_PORT_ENV, "value": str(PULLER_PORT)},
     ]
     return {
         "name": "weights-puller",

@@ -30,8 +30,9 @@ from urllib.parse import urlparse
 
 from asyncgrpo.api import AsyncGRPORun
 from asyncgrpo.local.placement import Pod, build_placement, run_pods
-from asyncgrpo.local.pods import BIND_HOST_ENV, LocalProcess, PodTranslationError, translate
+from asyncgrpo.local.pods import LocalProcess, PodTranslationError, translate
 from asyncgrpo.local.processes import ManagedProcess
+from asyncgrpo.wire import BIND_HOST_ENV, METRICS_PORT_ENV, WORK_DIR_ENV
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 #: Credentials handed to a local S3 server this backend starts (moto accepts any).
@@ -58,7 +59,7 @@ class LocalBackend:
     max_steps: int | None = None
     say: Callable[[str], None] = print
     started: list = field(default_factory=list)  # ManagedProcess | S3Server
-    #: the trainer's status file: ASYNCGRPO_WORK_DIR of node 0, known once its pod is translated
+    #: the trainer's status file: the work dir (WORK_DIR_ENV) of node 0, known once its pod is translated
     status_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
 
@@ -151,11 +152,11 @@ class LocalBackend:
                 self.say(f"started {len(by['sandbox'])} sandbox server(s) behind a gateway "
                          f"on {_host_port(procs[pod].ready_url)}")
             nodes = [procs[pod] for pod in by["trainer"]]
-            self.status_path = Path(nodes[0].env["ASYNCGRPO_WORK_DIR"]) / "status.json"
+            self.status_path = Path(nodes[0].env[WORK_DIR_ENV]) / "status.json"
             world = self.run.world_size
             self.say(f"starting the trainer ({world} process{'es' if world > 1 else ''}); "
                      f"metrics on {nodes[0].env[BIND_HOST_ENV]}:"
-                     f"{nodes[0].env['ASYNCGRPO_METRICS_PORT']}")
+                     f"{nodes[0].env[METRICS_PORT_ENV]}")
             trainers = [self._start(lp, wait=False) for lp in nodes]
             last_step = -1
             while any(t.running for t in trainers):

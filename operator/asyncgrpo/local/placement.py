@@ -20,25 +20,24 @@ from pathlib import Path
 
 from asyncgrpo.api import AsyncGRPORun
 from asyncgrpo.controller import configmap, gateway, sandboxes, trainer, vllm
-from asyncgrpo.controller.common import RENDEZVOUS_PORT, name
+from asyncgrpo.controller.common import name
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, SANDBOX_TOKEN_KEY, secret_name
 from asyncgrpo.local.pods import ImageRuntime, LocalPlacement, parse_dockerfile_env
 from asyncgrpo.local.vllm import PACKAGE_ROOT, vllm_venv
 from asyncgrpo.testing.net import free_port
+from asyncgrpo.wire import GATEWAY_MEMBERS_ENV, MAX_STEPS_ENV, TRAINER_RENDEZVOUS_PORT
 
 #: where images/<x>/Dockerfile are (a checkout)
 IMAGES_DIR = PACKAGE_ROOT.parent / "images"
 #: ports a program binds on every interface whatever host it is given (torch's TCPStore):
 #: they share the machine's port space, so each run gets free ones
-WILDCARD_PORTS = frozenset({RENDEZVOUS_PORT})
+WILDCARD_PORTS = frozenset({TRAINER_RENDEZVOUS_PORT})
 #: host variables a pod inherits from the machine (a container gets PATH from its image)
 PASSTHROUGH_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
 #: caches of the machine, kept across runs as a node-local cache volume would be: vLLM's
 #: (model info, compile cache) costs ~40 s of every start when cold, and a pod's HOME is a
 #: fresh emptyDir. The same place vLLM uses outside pods, so the tests' server shares it.
 MACHINE_CACHES = {"VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "vllm")}
-#: what the local backend sets on top of the pods the builders make (--max-steps)
-MAX_STEPS_ENV = "ASYNCGRPO_MAX_STEPS"
 
 
 @dataclass
@@ -180,8 +179,8 @@ def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
                     for p in pods if p.component == sandboxes.COMPONENT]
     for p in pods:
         if p.component == gateway.COMPONENT:  # no pod watch: the members are known here
-            overrides[p.name] = {"ASYNCGRPO_GATEWAY_MEMBERS": ",".join(sandbox_urls)}
-        if p.component == trainer.COMPONENT and max_steps is not None:
+            overrides[p.name] = {GATEWAY_MEMBERS_ENV: ",".join(sandbox_urls)}
+        if p.component == trainer.COMPONENT and max_steps is not None:  # --max-steps
             overrides[p.name] = {MAX_STEPS_ENV: str(max_steps)}
     return LocalPlacement(
         images=image_runtimes(run),

@@ -36,8 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: the variable servers read as their default bind host (sandbox, gateway, trainer metrics)
-BIND_HOST_ENV = "ASYNCGRPO_BIND_HOST"
+from asyncgrpo.wire import BIND_HOST_ENV
 
 
 class PodTranslationError(ValueError):

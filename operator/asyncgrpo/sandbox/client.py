@@ -23,9 +23,7 @@ from typing import ClassVar
 
 import httpx
 
-GATEWAY_URL_ENV = "ASYNCGRPO_GATEWAY_URL"
-GATEWAY_TOKEN_ENV = "ASYNCGRPO_GATEWAY_TOKEN"
-
+from asyncgrpo.wire import GATEWAY_TOKEN_ENV, GATEWAY_URL_ENV
 
 _LEASE_GONE = frozenset({"lease_released", "lease_expired", "lease_unknown", "sandbox_lost", "lease_revoked"})
 

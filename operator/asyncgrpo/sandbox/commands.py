@@ -12,13 +12,17 @@ import logging
 import os
 import sys
 
-SANDBOX_TOKEN_ENV = "ASYNCGRPO_SANDBOX_TOKEN"
-GATEWAY_TOKEN_ENV = "ASYNCGRPO_GATEWAY_TOKEN"
-SANDBOX_PORT = 8000
-GATEWAY_PORT = 8080
-#: default bind host of every asyncgrpo server (the local backend sets it to the pod's
-#: loopback address; in a pod it is unset: all interfaces)
-BIND_HOST_ENV = "ASYNCGRPO_BIND_HOST"
+from asyncgrpo.wire import (
+    BIND_HOST_ENV,
+    GATEWAY_ENV_PREFIX,
+    GATEWAY_PORT,
+    GATEWAY_TOKEN_ENV,
+    LOG_LEVEL_ENV,
+    SANDBOX_ENV_PREFIX,
+    SANDBOX_PORT,
+    SANDBOX_TOKEN_ENV,
+    SANDBOX_WORKSPACE,
+)
 
 
 def _add(p: argparse.ArgumentParser, flag: str, env: str, default, type_=str, help_=""):
@@ -44,10 +48,10 @@ def register(subparsers) -> None:
     sb = subparsers.add_parser("sandbox", help="the sandbox server that runs in each sandbox pod")
     sbsub = sb.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
     serve = sbsub.add_parser("serve", help="serve exec/files/reset over HTTP")
-    E = "ASYNCGRPO_SANDBOX_"
+    E = SANDBOX_ENV_PREFIX
     _add(serve, "--host", E + "HOST", bind_host)
     _add(serve, "--port", E + "PORT", SANDBOX_PORT, int)
-    _add(serve, "--workspace", E + "WORKSPACE", "/workspace", help_="root of the sessions")
+    _add(serve, "--workspace", E + "WORKSPACE", SANDBOX_WORKSPACE, help_="root of the sessions")
     _add(serve, "--template", E + "TEMPLATE", None,
          help_="read-only directory copied into each session (the task's initial files)")
     _add(serve, "--token-file", E + "TOKEN_FILE", None, help_=f"file holding the token instead of {SANDBOX_TOKEN_ENV}")
@@ -74,7 +78,7 @@ def register(subparsers) -> None:
     serve.set_defaults(func=serve_sandbox)
 
     gw = subparsers.add_parser("gateway", help="the per-run gateway that leases sandboxes to rollout groups")
-    G = "ASYNCGRPO_GATEWAY_"
+    G = GATEWAY_ENV_PREFIX
     _add(gw, "--host", G + "HOST", bind_host)
     _add(gw, "--port", G + "PORT", GATEWAY_PORT, int)
     _add(gw, "--members", G + "MEMBERS", None,
@@ -113,7 +117,7 @@ def _uvicorn_run(app, host: str, port: int) -> int:
         app,
         host=host,
         port=port,
-        log_level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "warning").lower(),
+        log_level=os.environ.get(LOG_LEVEL_ENV, "warning").lower(),
         access_log=False,
         timeout_keep_alive=30,  # the gateway's client drops idle connections at 15 s
         # h11 enforces the header size cap below (httptools would not); the subclass closes

@@ -22,12 +22,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncgrpo.trainer.bucket import Bucket, BucketUnavailable
+from asyncgrpo.storage import Bucket, CompleteVersions, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _RANK_FILE = re.compile(r"^rng_state_(\d+)\.pth$")
 
 
@@ -36,32 +35,22 @@ def step_dir(step: int) -> str:
 
 
 class CheckpointStore:
+    """The run's checkpoints: `checkpoints/step-<N>/` folders, complete once COMPLETE is in."""
+
     def __init__(self, bucket: Bucket, keep: int = 2):
         self.bucket = bucket
         self.keep = max(1, int(keep))
+        self.steps = CompleteVersions(bucket, "checkpoints", COMPLETE, r"^step-(\d+)$", step_dir)
 
     @property
     def root(self) -> str:
-        return self.bucket.key("checkpoints") + "/"
-
-    def _scan(self) -> tuple[set[int], set[int]]:
-        complete, seen = set(), set()
-        for key in self.bucket.list(self.root):
-            parts = key[len(self.root):].split("/")
-            m = _STEP_DIR.match(parts[0])
-            if not m or len(parts) < 2:
-                continue
-            seen.add(int(m.group(1)))
-            if parts[1] == COMPLETE:
-                complete.add(int(m.group(1)))
-        return complete, seen
+        return self.steps.root
 
     def latest(self) -> int | None:
-        complete, _ = self._scan()
-        return max(complete) if complete else None
+        return self.steps.latest()
 
     def info(self, step: int) -> dict:
-        return json.loads(self.bucket.get_bytes(self.root + step_dir(step) + "/" + COMPLETE))
+        return json.loads(self.bucket.get_bytes(self.steps.prefix(step) + COMPLETE))
 
     def upload(self, local: Path, step: int, *, rank: int = 0, is_main: bool = True,
                barrier: Callable[[], None] | None = None,
@@ -74,7 +63,7 @@ class CheckpointStore:
         `barrier` is used when it is not given.
         """
         local = Path(local)
-        prefix = self.root + step_dir(step) + "/"
+        prefix = self.steps.prefix(step)
         files = sorted(p for p in local.rglob("*") if p.is_file())
         mine = []
         for p in files:
@@ -85,7 +74,7 @@ class CheckpointStore:
         try:
             for p in mine:
                 self.bucket.upload(p, prefix + p.relative_to(local).as_posix())
-        except BucketUnavailable as err:
+        except StoreUnavailable as err:
             log.error("checkpoint step %d not written: %s", step, err)
             ok = False
         if agree is not None:
@@ -101,14 +90,14 @@ class CheckpointStore:
             log.info("checkpoint step %d in %s (%d files)", step, self.bucket.url(prefix),
                      len(listed))
             self.prune()
-        except BucketUnavailable as err:
+        except StoreUnavailable as err:
             log.error("checkpoint step %d not completed: %s", step, err)
             return False
         return True
 
     def download(self, step: int, dest: Path) -> Path:
         """The checkpoint's files under dest/checkpoint-<step> (the name HF's Trainer reads)."""
-        prefix = self.root + step_dir(step) + "/"
+        prefix = self.steps.prefix(step)
         target = Path(dest) / f"checkpoint-{int(step)}"
         for key in self.bucket.list(prefix):
             rel = key[len(prefix):]
@@ -119,18 +108,4 @@ class CheckpointStore:
 
     def prune(self) -> list[int]:
         """Keep the newest `keep` complete checkpoints; drop older ones and dead partials."""
-        complete, seen = self._scan()
-        kept = sorted(complete)[-self.keep:]
-        if not kept:
-            return []
-        doomed = [s for s in sorted(seen) if s < kept[0]]
-        for s in doomed:
-            prefix = self.root + step_dir(s) + "/"
-            keys = list(self.bucket.list(prefix))
-            marker = [k for k in keys if k.endswith("/" + COMPLETE)]
-            if marker:  # first: the checkpoint vanishes as a whole for readers
-                self.bucket.delete(marker)
-            rest = [k for k in keys if k not in marker]
-            if rest:
-                self.bucket.delete(rest)
-        return doomed
+        return self.steps.prune(self.keep)[0]

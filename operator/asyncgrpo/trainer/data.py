@@ -20,9 +20,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-#: Where the operator mounts a `data.configMap` source; the key is the file name.
-CONFIGMAP_DIR_ENV = "ASYNCGRPO_DATA_DIR"
-DEFAULT_CONFIGMAP_DIR = "/etc/asyncgrpo/data"
+from asyncgrpo.wire import DATA_DIR, DATA_DIR_ENV
 
 
 class DataError(ValueError):
@@ -70,7 +68,7 @@ def read_source(spec, bucket=None, env: dict[str, str] | None = None) -> tuple[s
             raise DataError(f"data.path {spec.path} does not exist in this container")
         return p.read_text(encoding="utf-8"), spec.path
     if spec.config_map is not None:
-        p = Path(env.get(CONFIGMAP_DIR_ENV) or DEFAULT_CONFIGMAP_DIR) / spec.config_map.key
+        p = Path(env.get(DATA_DIR_ENV) or DATA_DIR) / spec.config_map.key
         if not p.is_file():
             raise DataError(f"data.configMap {spec.config_map.name}/{spec.config_map.key} is not "
                             f"mounted at {p}")

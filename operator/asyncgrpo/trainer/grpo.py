@@ -48,7 +48,7 @@ from asyncgrpo.adapters.probe import (
     trained_prompt_logprobs,
 )
 from asyncgrpo.adapters.store import AdapterStoreError, StoreUnavailable
-from asyncgrpo.trainer.bucket import BucketUnavailable, retry
+from asyncgrpo.storage import retry
 from asyncgrpo.trainer.rollout_gate import RolloutGate
 from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
 
@@ -68,7 +68,11 @@ def rollouts_move_on(served_ok: bool, served_version: int, vllm_failed: bool) ->
     return served_ok or not served_version or vllm_failed
 
 class _ProbeUnreachable(Exception):
-    pass
+    """One probe request got no answer from vLLM (retried)."""
+
+
+class VLLMUnreachable(RuntimeError):
+    """vLLM stayed unreachable for every try of the probe."""
 
 
 def publish_until_done(store, local_dir, version: int, *, step: int, extra: dict | None = None,
@@ -191,10 +195,11 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                                             str(err)[:300])
         return on_retry
 
-    def _retry(self, what, fn, transient, attempts: int | None = -1):
+    def _retry(self, what, fn, transient, attempts: int | None = -1,
+               gave_up: type[Exception] = StoreUnavailable):
         return retry(what, fn, attempts=self._retry_attempts if attempts == -1 else attempts,
                      backoff_s=self._retry_backoff_s, transient=transient,
-                     on_retry=self._on_retry(what))
+                     on_retry=self._on_retry(what), gave_up=gave_up)
 
     def _next_version(self) -> int:
         # Unbounded: without the bucket's newest version no safe name can be chosen.
@@ -338,7 +343,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                         self.args.request_timeout, name)
             return True
         try:
-            served = self._retry("vllm", ask, lambda e: isinstance(e, _ProbeUnreachable))
+            served = self._retry("vllm", ask, lambda e: isinstance(e, _ProbeUnreachable),
+                                 gave_up=VLLMUnreachable)
         except Exception as err:  # noqa: BLE001 - refused or still unreachable: training goes on
             status = getattr(err, "status", None)
             self._probe_failed_transiently = not (status is not None and 400 <= status < 500)
@@ -350,7 +356,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                           self.served_name(self.served_version))
             if m is not None:
                 m.inc("served_logprob_probe_failures_total")
-                reason = "VLLMUnreachable" if isinstance(err, BucketUnavailable) else "AdapterRefused"
+                reason = "VLLMUnreachable" if isinstance(err, VLLMUnreachable) else "AdapterRefused"
                 m.hint("AdapterServed", False, reason, f"{name}: {str(err)[:300]}")
             self.published[-1]["served"] = False
             return False

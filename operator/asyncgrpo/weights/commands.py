@@ -7,8 +7,7 @@ import logging
 import os
 import signal
 
-#: Port of the puller's /ready and /status (the vLLM pod's readiness probe asks it).
-DEFAULT_PORT = 8100
+from asyncgrpo import wire
 
 
 def register(subparsers) -> None:
@@ -19,16 +18,15 @@ def register(subparsers) -> None:
         description="Follows <run folder>/weights/ in the run's bucket (ASYNCGRPO_ADAPTER_* "
         "variables, as for the LoRA resolver), applies each version to a local full copy and "
         "swaps it into the vLLM server (dev-mode routes, loopback). See docs/weights.md.")
-    pull.add_argument("--vllm-url", default=os.environ.get("ASYNCGRPO_WEIGHTS_VLLM_URL",
-                                                           "http://127.0.0.1:8000"))
-    pull.add_argument("--work-dir", default=os.environ.get("ASYNCGRPO_WEIGHTS_DIR",
-                                                           "/var/cache/asyncgrpo/weights"),
+    env = os.environ.get
+    pull.add_argument("--vllm-url", default=env(wire.WEIGHTS_VLLM_URL_ENV,
+                                                f"http://127.0.0.1:{wire.VLLM_PORT}"))
+    pull.add_argument("--work-dir", default=env(wire.WEIGHTS_DIR_ENV, wire.WEIGHTS_DIR),
                       help="local full copy (give it an emptyDir sized for two full copies)")
-    pull.add_argument("--host", default=os.environ.get("ASYNCGRPO_WEIGHTS_HOST", "0.0.0.0"))
-    pull.add_argument("--port", type=int,
-                      default=int(os.environ.get("ASYNCGRPO_WEIGHTS_PORT", DEFAULT_PORT)))
-    pull.add_argument("--poll-seconds", type=float,
-                      default=float(os.environ.get("ASYNCGRPO_WEIGHTS_POLL_S", "2")))
+    pull.add_argument("--host", default=env(wire.WEIGHTS_HOST_ENV, "0.0.0.0"))
+    # /ready and /status: the vLLM pod's readiness probe asks it
+    pull.add_argument("--port", type=int, default=int(env(wire.WEIGHTS_PORT_ENV, wire.PULLER_PORT)))
+    pull.add_argument("--poll-seconds", type=float, default=float(env(wire.WEIGHTS_POLL_ENV, "2")))
     pull.set_defaults(func=_pull)
 
 
@@ -36,7 +34,7 @@ def _pull(args: argparse.Namespace) -> int:
     from asyncgrpo.weights.puller import Puller, VLLMControl
     from asyncgrpo.weights.store import WeightStore
 
-    logging.basicConfig(level=os.environ.get("ASYNCGRPO_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=os.environ.get(wire.LOG_LEVEL_ENV, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     puller = Puller(WeightStore.from_env(), VLLMControl(args.vllm_url), args.work_dir,
                     poll_s=args.poll_seconds)

@@ -37,7 +37,6 @@ from typing import Any
 
 from asyncgrpo.adapters.store import (
     MANIFEST,
-    SINGLE_REQUEST_BYTES,
     AdapterCorrupt,
     AdapterIncomplete,
     AdapterNotFound,
@@ -46,7 +45,6 @@ from asyncgrpo.adapters.store import (
     FileEntry,
     _check_relpath,
     parse_files,
-    sha256_file,
 )
 
 log = logging.getLogger(__name__)
@@ -121,14 +119,10 @@ class WeightStore(AdapterStore):
     """Publish, list, fetch and prune the weight versions of one run.
 
     Built on :class:`AdapterStore` for its S3 transport (retries, error classification,
-    verified downloads); only the key space and the manifest differ.
+    verified downloads, complete versions); only the key space and the manifest differ.
     """
 
-    @property
-    def root(self) -> str:
-        """``<run folder>/weights/``: the adapter store decides where a run's folder is."""
-        adapters = super().root
-        return adapters[: -len("adapters/")] + "weights/"
+    FOLDER = "weights"
 
     def name(self, version: int) -> str:
         return f"weights v{int(version)}"
@@ -136,13 +130,7 @@ class WeightStore(AdapterStore):
     # -- reading -----------------------------------------------------------------------------
 
     def manifest(self, version: int) -> WeightsManifest:  # type: ignore[override]
-        key = self.version_prefix(version) + MANIFEST
-        body = self._get_bytes(key)
-        if body is None:
-            if self._keys(self.version_prefix(version)):
-                raise WeightsIncomplete(f"{self.name(version)} at {self.url(self.version_prefix(version))}"
-                                        f" has files but no {MANIFEST}: partial upload, not served")
-            raise WeightsNotFound(f"{self.name(version)} not found at {self.url(key)}")
+        body, key = self._manifest_body(version)
         m = WeightsManifest.from_json(body, where=self.url(key))
         if m.version != int(version):
             raise WeightsCorrupt(f"{self.url(key)} says version {m.version}, expected {version}")
@@ -205,30 +193,16 @@ class WeightStore(AdapterStore):
         rels = [p.relative_to(local_dir).as_posix() for p in files]
         for rel in rels:
             _check_relpath(rel)
-        vprefix = self.version_prefix(version)
-        if self._get_bytes(vprefix + MANIFEST) is not None:
-            raise WeightsVersionExists(f"{self.name(version)} already published at {self.url(vprefix)}")
-        entries: dict[str, FileEntry] = {}
-        for path, rel in zip(files, rels):
-            entries[rel] = FileEntry(sha256_file(path), path.stat().st_size)
-            key = vprefix + rel
-            if entries[rel].size <= SINGLE_REQUEST_BYTES:
-                data = path.read_bytes()
-                self._call("put", key, lambda k=key, d=data: self.client.put_object(
-                    Bucket=self.bucket, Key=k, Body=d))
-            else:
-                self._call("put", key, lambda p=path, k=key: self.client.upload_file(
-                    str(p), self.bucket, k))
+        vprefix = self._claim(version)
+        entries = self._upload_files(local_dir, files, rels, vprefix)
         manifest = WeightsManifest(
             run=self.run, version=version, step=int(step), kind=kind, base=base,
             anchor=version if kind == ANCHOR else int(anchor if anchor is not None else -1),
             dtype=dtype, files=entries, created=datetime.now(UTC).isoformat(timespec="seconds"),
             extra=dict(extra or {}))
         WeightsManifest.from_json(manifest.to_json(), where="new manifest")  # same rules as readers
-        body = manifest.to_json().encode()
-        key = vprefix + MANIFEST
-        self._call("put", key, lambda: self.client.put_object(
-            Bucket=self.bucket, Key=key, Body=body, ContentType="application/json"))
+        self.objects.put_bytes(vprefix + MANIFEST, manifest.to_json().encode(),
+                               content_type="application/json")
         log.info("published %s (%s, %d files, %d bytes) to %s", self.name(version), kind,
                  len(entries), manifest.total_bytes, self.url(vprefix))
         return manifest
@@ -244,7 +218,7 @@ class WeightStore(AdapterStore):
         in flight and are left alone.
         """
         keep = max(int(retention), int(max_staleness) + 2, 1)
-        complete, seen = self._scan()
+        complete, seen = self.versions_in.scan()
         kept = sorted(complete)[-keep:]
         if not kept:
             return []

@@ -1,0 +1,324 @@
+"""The one S3 layer: the client, retries, keys under the run's folder, and complete versions.
+
+Everything the trainer, vLLM's resolver plugin and the weights puller keep in the run's bucket
+goes through here: adapters (`asyncgrpo.adapters.store`), full weights
+(`asyncgrpo.weights.store`), checkpoints (`asyncgrpo.trainer.checkpoint`) and prompt data.
+The operator's bucket setup and cleanup (`asyncgrpo.controller.bucket`) can use it too.
+
+* `client`: a boto3 client with botocore's own retries off, so `Bucket`'s attempts bound
+  how long a caller can be held, and path-style addressing (MinIO, Ceph, moto).
+* `retry`: exponential backoff with jitter on transient errors (connection refused,
+  timeouts, 5xx, throttling); the last failure becomes `gave_up` (StoreUnavailable by
+  default; a caller retrying something else names its own type).
+* `Bucket`: keys under one root (`asyncgrpo.api.layout.run_folder`), every call retried;
+  a permanent S3 error becomes StoreRequestError. Messages name `s3://bucket/key` and the
+  S3 error code, never the endpoint or credentials: they travel into logs, status
+  conditions and, through the resolver, toward clients.
+* `CompleteVersions`: numbered sub-folders each marked complete by one object written last
+  (an adapter's `manifest.json`, a checkpoint's `COMPLETE`): a writer killed mid-upload
+  leaves a partial version nobody reads; deletion removes the marker first, so a version
+  disappears as a whole for readers.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+#: S3 error codes that say "try again" whatever the HTTP status
+_TRANSIENT_CODES = ("SlowDown", "Throttling", "RequestTimeout", "InternalError",
+                    "ServiceUnavailable")
+_MISSING_CODES = ("404", "NoSuchKey", "NotFound")
+
+
+class StoreError(Exception):
+    """Base of every error the bucket layer raises."""
+
+
+class StoreUnavailable(StoreError):
+    """The bucket could not be reached (connection, timeout, 5xx) after all retries.
+
+    Transient by nature: the caller keeps its state and tries again later.
+    """
+
+
+class StoreRequestError(StoreError):
+    """S3 answered with a permanent error (missing bucket, access denied, bad request)."""
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """boto3's transfer manager wraps S3 errors (S3UploadFailedError): the botocore error
+    underneath, or the innermost cause."""
+    seen = 0
+    while seen < 8:
+        nxt = err.__cause__ or err.__context__
+        if nxt is None or type(err).__module__.startswith("botocore"):
+            return err
+        err, seen = nxt, seen + 1
+    return err
+
+
+def is_transient(err: BaseException) -> bool:
+    """Connection-level failures and server-side errors: worth another try."""
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    err = root_cause(err)
+    if isinstance(err, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError,
+                        ConnectionClosedError, BotoConnectionError, ConnectionError,
+                        TimeoutError)):
+        return True
+    if isinstance(err, ClientError):
+        status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return status >= 500 or error_code(err)[0] in _TRANSIENT_CODES
+    return False
+
+
+def error_code(err: BaseException) -> tuple[str, str]:
+    """(S3 error code, message) of a ClientError under err, or ("", "")."""
+    from botocore.exceptions import ClientError
+
+    err = root_cause(err)
+    if isinstance(err, ClientError):
+        e = err.response.get("Error", {})
+        return str(e.get("Code", "")), str(e.get("Message", ""))
+    return "", ""
+
+
+def retry(what: str, fn: Callable[[], _T], *, attempts: int | None = 8, backoff_s: float = 1.0,
+          max_backoff_s: float = 30.0, transient: Callable[[BaseException], bool] = is_transient,
+          on_retry: Callable[[str, BaseException], None] | None = None,
+          gave_up: type[Exception] = StoreUnavailable) -> _T:
+    """fn() with exponential backoff on transient errors; the last one becomes `gave_up`.
+
+    `attempts=None` retries until it succeeds: for work that must not be lost (a publish),
+    where stalling through an outage beats failing the step; `on_retry` reports each failure.
+    """
+    delay = backoff_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as err:
+            if not transient(err):
+                raise
+            if on_retry is not None:
+                on_retry(what, err)
+            if attempts is not None and attempt >= attempts:
+                cause = error_code(err)[0] or type(root_cause(err)).__name__
+                raise gave_up(f"{what}: unreachable after {attempts} attempts "
+                              f"({cause})") from None
+            sleep = min(delay, max_backoff_s) * (0.5 + random.random() / 2)
+            log.warning("%s failed (%s); retry %d%s in %.1fs", what, type(err).__name__,
+                        attempt, "" if attempts is None else f"/{attempts - 1}", sleep)
+            time.sleep(sleep)
+            delay *= 2
+
+
+def client(endpoint: str | None, region: str | None, *, connect_timeout_s: float = 5.0,
+           read_timeout_s: float = 60.0):
+    """A boto3 S3 client with botocore's own retries off (ours bound the wait)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        "s3", endpoint_url=endpoint or None, region_name=region or None,
+        config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
+                      connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                      s3={"addressing_style": "path"}),
+    )
+
+
+def _unless_missing(fn: Callable[[], _T], missing: _T) -> Callable[[], _T]:
+    """fn, answering `missing` instead of raising when S3 says there is no such key."""
+
+    def run() -> _T:
+        try:
+            return fn()
+        except Exception as err:
+            if error_code(err)[0] in _MISSING_CODES:
+                return missing
+            raise
+
+    return run
+
+
+class Bucket:
+    """Keys under one root (a run's folder, or "" for the whole bucket), every call retried."""
+
+    def __init__(self, bucket: str, root: str, client: Any, *, attempts: int | None = 8,
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 on_retry: Callable[[str, BaseException], None] | None = None):
+        if not bucket:
+            raise ValueError("bucket must be set")
+        self.bucket = bucket
+        self.root = root.strip("/")
+        self.client = client
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.on_retry = on_retry
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (self.root, *parts) if p and p.strip("/"))
+
+    def url(self, key: str = "") -> str:
+        """``s3://bucket/key`` for messages: names the object, not the server."""
+        return f"s3://{self.bucket}/{key}"
+
+    def call(self, what: str, key: str, fn: Callable[[], _T]) -> _T:
+        """fn() retried; StoreUnavailable when the bucket stays unreachable, StoreRequestError
+        for a permanent S3 error; other errors (a local file, a bug) pass through."""
+        where = f"{what} {self.url(key)}"
+        try:
+            return retry(where, fn, attempts=self.attempts, backoff_s=self.backoff_s,
+                         max_backoff_s=self.max_backoff_s, on_retry=self.on_retry)
+        except StoreError:
+            raise
+        except Exception as err:
+            code, msg = error_code(err)
+            if code:
+                raise StoreRequestError(f"{where} failed: {code}: {msg}") from None
+            cause = root_cause(err)
+            if type(cause).__module__.startswith(("botocore", "boto3")):
+                raise StoreRequestError(f"{where} failed: {type(cause).__name__}") from None
+            raise
+
+    def list(self, prefix: str) -> dict[str, int]:
+        """key -> size of every key under prefix (absolute keys, paginated)."""
+
+        def run() -> dict[str, int]:
+            out, token = {}, None
+            while True:
+                kw = {"Bucket": self.bucket, "Prefix": prefix}
+                if token:
+                    kw["ContinuationToken"] = token
+                resp = self.client.list_objects_v2(**kw)
+                out.update({o["Key"]: int(o["Size"]) for o in resp.get("Contents", [])})
+                if not resp.get("IsTruncated"):
+                    return out
+                token = resp["NextContinuationToken"]
+
+        return self.call("list", prefix, run)
+
+    def exists(self, key: str) -> bool:
+        return self.call("head", key, _unless_missing(
+            lambda: self.client.head_object(Bucket=self.bucket, Key=key) and True, False))
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.call("get", key, lambda: self.client.get_object(
+            Bucket=self.bucket, Key=key)["Body"].read())
+
+    def get_or_none(self, key: str) -> bytes | None:
+        """The object's bytes, or None when there is no such key."""
+        return self.call("get", key, _unless_missing(lambda: self.client.get_object(
+            Bucket=self.bucket, Key=key)["Body"].read(), None))
+
+    def put_bytes(self, key: str, body: bytes, content_type: str | None = None) -> None:
+        extra = {"ContentType": content_type} if content_type else {}
+        self.call("put", key, lambda: self.client.put_object(
+            Bucket=self.bucket, Key=key, Body=body, **extra))
+
+    def upload(self, path: Path, key: str) -> None:
+        """A file through boto3's transfer manager (multipart when large)."""
+        self.call("put", key, lambda: self.client.upload_file(str(path), self.bucket, key))
+
+    def download(self, key: str, path: Path) -> bool:
+        """The object into path; False when there is no such key."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return self.call("get", key, _unless_missing(
+            lambda: self.client.download_file(self.bucket, key, str(path)) or True, False))
+
+    def delete(self, keys: list[str]) -> None:
+        for batch in _chunks(keys, 1000):
+            self.call("delete", batch[0], lambda b=batch: self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in b], "Quiet": True}))
+
+
+def _chunks(items: list[str], n: int) -> Iterable[list[str]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+class CompleteVersions:
+    """Numbered sub-folders of `<bucket root>/<folder>/`, each complete once its marker is in.
+
+    `pattern` matches a sub-folder's name and captures its number; `dir_name(n)` is the
+    inverse. Readers see only complete versions; partial ones are a writer in flight or
+    one that died, and are cleaned up once older than every version kept.
+    """
+
+    def __init__(self, bucket: Bucket, folder: str, marker: str, pattern: str,
+                 dir_name: Callable[[int], str]):
+        self.bucket = bucket
+        self.marker = marker
+        self._pattern = re.compile(pattern)
+        self._dir_name = dir_name
+        self.root = bucket.key(folder) + "/"
+
+    def prefix(self, n: int) -> str:
+        """Key prefix of version n, ending in '/'."""
+        return f"{self.root}{self._dir_name(n)}/"
+
+    def scan(self) -> tuple[set[int], set[int]]:
+        """(complete versions, versions with any object at all)."""
+        complete, seen = set(), set()
+        for key in self.bucket.list(self.root):
+            parts = key[len(self.root):].split("/", 1)
+            m = self._pattern.match(parts[0])
+            if not m or len(parts) < 2:
+                continue
+            n = int(m.group(1))
+            seen.add(n)
+            if parts[1] == self.marker:
+                complete.add(n)
+        return complete, seen
+
+    def complete(self) -> list[int]:
+        """Complete versions, oldest first."""
+        return sorted(self.scan()[0])
+
+    def latest(self) -> int | None:
+        complete = self.complete()
+        return complete[-1] if complete else None
+
+    def has_any(self, n: int) -> bool:
+        """Whether any object of version n exists (a partial one included)."""
+        return bool(self.bucket.list(self.prefix(n)))
+
+    def delete(self, n: int) -> None:
+        """Remove one version, marker first so it vanishes as a whole for readers."""
+        prefix = self.prefix(n)
+        keys = sorted(self.bucket.list(prefix), key=lambda k: k != prefix + self.marker)
+        if keys and keys[0] == prefix + self.marker:
+            self.bucket.delete(keys[:1])
+            keys = keys[1:]
+        if keys:
+            self.bucket.delete(keys)
+
+    def prune(self, keep: int) -> tuple[list[int], list[int]]:
+        """Keep the newest `keep` complete versions; delete every older version, partial or
+        not (newer partial ones may be in flight). Returns (deleted, kept)."""
+        complete, seen = self.scan()
+        kept = sorted(complete)[-max(1, keep):]
+        if not kept:
+            return [], []
+        doomed = sorted(n for n in seen if n < kept[0])
+        for n in doomed:
+            self.delete(n)
+        return doomed, kept

@@ -1,0 +1,132 @@
+"""The wire contract between the operator's pods and the programs in them: one home for each fact.
+
+The builders (`asyncgrpo.controller`) write environment variables, ports and paths into pod
+specs; the programs in the images (`asyncgrpo.cli` subcommands, the trainer's `RuntimeEnv`,
+vLLM's resolver plugin, the sandbox client) read them; the local backend rewrites them.
+Each name and number below is spelled once, here, and both sides import it, so a rename on
+one side cannot leave the other reading a variable nobody sets. Standard library only: the
+operator, trainer, sandbox and vLLM images all import this module.
+
+Which program reads a variable, and what it means to a user, is documented where it is read
+(`asyncgrpo.trainer.runtime_env` for the trainer, `asyncgrpo.adapters.vllm_plugin` for the
+resolver, the `--help` of each CLI flag); this module only names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# -- ports the programs listen on ------------------------------------------------------------
+#: vLLM's OpenAI-compatible server (the Service in front of every replica)
+VLLM_PORT = 8000
+#: `asyncgrpo gateway`
+GATEWAY_PORT = 8080
+#: `asyncgrpo sandbox serve`, in each sandbox pod
+SANDBOX_PORT = 8000
+#: `asyncgrpo weights pull`, the puller sidecar of a vLLM pod (full fine-tuning): /ready
+PULLER_PORT = 8100
+#: torchrun's static rendezvous on trainer node 0 (the metrics port must differ)
+TRAINER_RENDEZVOUS_PORT = 29500
+
+# -- paths inside the pods (the root filesystem is read-only: these are volume mounts) -------
+#: where the run's ConfigMap is mounted; the run file is CONFIG_MOUNT/CONFIG_KEY
+CONFIG_MOUNT = "/etc/asyncgrpo"
+CONFIG_KEY = "run.yaml"
+#: where a `spec.data.configMap` source is mounted in the trainer (the key is the file name)
+DATA_DIR = "/etc/asyncgrpo/data"
+#: the trainer's scratch (TRL's output dir, checkpoint staging, status.json)
+TRAINER_WORK_DIR = "/var/lib/asyncgrpo"
+#: caches (Hugging Face, verified adapters, the puller's full copy) live under this emptyDir
+CACHE_DIR = "/var/cache/asyncgrpo"
+HF_HOME = f"{CACHE_DIR}/hf"
+ADAPTER_CACHE_DIR = f"{CACHE_DIR}/adapters"
+WEIGHTS_DIR = f"{CACHE_DIR}/weights"
+#: root of the sandbox server's sessions
+SANDBOX_WORKSPACE = "/workspace"
+
+# -- environment variables -------------------------------------------------------------------
+#: every server's default bind host (the local backend gives each pod its own loopback
+#: address; in a pod it is unset: all interfaces)
+BIND_HOST_ENV = "ASYNCGRPO_BIND_HOST"
+LOG_LEVEL_ENV = "ASYNCGRPO_LOG_LEVEL"
+
+# the trainer (asyncgrpo.trainer.runtime_env documents each)
+VLLM_URL_ENV = "ASYNCGRPO_VLLM_URL"
+GATEWAY_URL_ENV = "ASYNCGRPO_GATEWAY_URL"
+S3_ENDPOINT_ENV = "ASYNCGRPO_S3_ENDPOINT"
+RUN_NAME_ENV = "ASYNCGRPO_RUN_NAME"
+WORK_DIR_ENV = "ASYNCGRPO_WORK_DIR"
+METRICS_PORT_ENV = "ASYNCGRPO_METRICS_PORT"
+PROBE_TOLERANCE_ENV = "ASYNCGRPO_PROBE_TOLERANCE"
+RETRY_ATTEMPTS_ENV = "ASYNCGRPO_RETRY_ATTEMPTS"
+RETRY_BACKOFF_ENV = "ASYNCGRPO_RETRY_BACKOFF_S"
+MAX_STEPS_ENV = "ASYNCGRPO_MAX_STEPS"
+DATA_DIR_ENV = "ASYNCGRPO_DATA_DIR"
+FAULT_CORRUPT_VERSIONS_ENV = "ASYNCGRPO_FAULT_CORRUPT_VERSIONS"
+TERMINATION_LOG_ENV = "ASYNCGRPO_TERMINATION_LOG"
+# the trainer pod's torchrun command line (asyncgrpo.controller.trainer.torchrun_command)
+NNODES_ENV = "ASYNCGRPO_NNODES"
+NPROC_ENV = "ASYNCGRPO_NPROC"
+MASTER_ADDR_ENV = "ASYNCGRPO_MASTER_ADDR"
+MASTER_PORT_ENV = "ASYNCGRPO_MASTER_PORT"
+
+# the run's bucket, read by the trainer, vLLM's resolver plugin and the weights puller
+ADAPTER_BUCKET_ENV = "ASYNCGRPO_ADAPTER_BUCKET"
+ADAPTER_RUN_ENV = "ASYNCGRPO_ADAPTER_RUN"
+ADAPTER_PREFIX_ENV = "ASYNCGRPO_ADAPTER_PREFIX"
+ADAPTER_NAMESPACE_ENV = "ASYNCGRPO_ADAPTER_NAMESPACE"
+ADAPTER_ENDPOINT_ENV = "ASYNCGRPO_ADAPTER_ENDPOINT"
+ADAPTER_REGION_ENV = "ASYNCGRPO_ADAPTER_REGION"
+ADAPTER_NAME_PREFIX_ENV = "ASYNCGRPO_ADAPTER_NAME_PREFIX"
+ADAPTER_ATTEMPTS_ENV = "ASYNCGRPO_ADAPTER_ATTEMPTS"
+ADAPTER_BACKOFF_ENV = "ASYNCGRPO_ADAPTER_BACKOFF_S"
+ADAPTER_CACHE_DIR_ENV = "ASYNCGRPO_ADAPTER_CACHE_DIR"
+ADAPTER_ANY_RUN_ENV = "ASYNCGRPO_ADAPTER_ANY_RUN"
+
+# the weights puller sidecar (`asyncgrpo weights pull`)
+WEIGHTS_VLLM_URL_ENV = "ASYNCGRPO_WEIGHTS_VLLM_URL"
+WEIGHTS_DIR_ENV = "ASYNCGRPO_WEIGHTS_DIR"
+WEIGHTS_HOST_ENV = "ASYNCGRPO_WEIGHTS_HOST"
+WEIGHTS_PORT_ENV = "ASYNCGRPO_WEIGHTS_PORT"
+WEIGHTS_POLL_ENV = "ASYNCGRPO_WEIGHTS_POLL_S"
+
+# `asyncgrpo sandbox serve` and `asyncgrpo gateway`: every flag --x-y has the variable
+# <PREFIX>X_Y; the ones the builders set are named here
+SANDBOX_ENV_PREFIX = "ASYNCGRPO_SANDBOX_"
+GATEWAY_ENV_PREFIX = "ASYNCGRPO_GATEWAY_"
+SANDBOX_TOKEN_ENV = SANDBOX_ENV_PREFIX + "TOKEN"
+SANDBOX_PORT_ENV = SANDBOX_ENV_PREFIX + "PORT"
+SANDBOX_WORKSPACE_ENV = SANDBOX_ENV_PREFIX + "WORKSPACE"
+SANDBOX_DEFAULT_TIMEOUT_ENV = SANDBOX_ENV_PREFIX + "DEFAULT_TIMEOUT_SECONDS"
+SANDBOX_MAX_TIMEOUT_ENV = SANDBOX_ENV_PREFIX + "MAX_TIMEOUT_SECONDS"
+#: the gateway's bearer token, also read by the trainer's sandbox client
+GATEWAY_TOKEN_ENV = GATEWAY_ENV_PREFIX + "TOKEN"
+GATEWAY_PORT_ENV = GATEWAY_ENV_PREFIX + "PORT"
+GATEWAY_SELECTOR_ENV = GATEWAY_ENV_PREFIX + "SELECTOR"
+GATEWAY_NAMESPACE_ENV = GATEWAY_ENV_PREFIX + "NAMESPACE"
+GATEWAY_SANDBOX_PORT_ENV = GATEWAY_ENV_PREFIX + "SANDBOX_PORT"
+GATEWAY_MAX_EXEC_ENV = GATEWAY_ENV_PREFIX + "MAX_EXEC_SECONDS"
+GATEWAY_MEMBERS_ENV = GATEWAY_ENV_PREFIX + "MEMBERS"
+
+#: `asyncgrpo operator`: every flag has an ASYNCGRPO_OPERATOR_* default (the chart sets them)
+OPERATOR_ENV_PREFIX = "ASYNCGRPO_OPERATOR_"
+
+# -- facts both sides compute from the same variables ----------------------------------------
+#: Largest |served - trained| log-prob on the trainer's probe that still counts as in sync.
+DEFAULT_PROBE_TOLERANCE = 0.05
+
+
+def probe_tolerance(env: Mapping[str, str]) -> float:
+    """The probe tolerance a trainer with this environment uses.
+
+    The trainer reads it from its own environment; the operator reads the same variable
+    from `spec.trainer.env`, so a run that overrides it gets an AdapterInSync condition that
+    agrees with the trainer's ServedPolicyMatches.
+    """
+    raw = env.get(PROBE_TOLERANCE_ENV)
+    if raw in (None, ""):
+        return DEFAULT_PROBE_TOLERANCE
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{PROBE_TOLERANCE_ENV}={raw!r} is not a number") from None

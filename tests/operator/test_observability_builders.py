@@ -8,7 +8,7 @@ import pytest
 from asyncgrpo.api.validation import validate_run
 from asyncgrpo.controller import children, gateway, network, trainer, vllm
 from asyncgrpo.controller.commands import scraper_peers
-from asyncgrpo.controller.common import GATEWAY_PORT, VLLM_PORT
+from asyncgrpo.wire import GATEWAY_PORT, VLLM_PORT
 from tests.operator.helpers import example
 
 

@@ -76,7 +76,7 @@ def build_deployment(run: AsyncGRPORun, replicas: int = 1) -> dict[str, Any]:
             "selector": {"matchLabels": selector(run, COMPONENT)},
             "template": {
                 "metadata": {"labels": pod_labels(run, COMPONENT),
-                             "annotations": scrape_annotations(GATEWAY_PORT)},
+                             "annotations": scrape_annotations(wire.GATEWAY_PORT)},
                 "spec": {
                     "serviceAccountName": name(run, COMPONENT),
                     "automountServiceAccountToken": True,

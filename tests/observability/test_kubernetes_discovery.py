@@ -3,9 +3,15 @@ pods the operator builds through the real test API server: a real Prometheus lis
 `kubernetes_sd_configs`, keeps those with the operator's scrape annotations, relabels them
 to namespace/pod/run/component and scrapes the annotated port. There is no node here, so the
 test plays the kubelet: it gives the trainer pod the address of a real trainer metrics
-endpoint on loopback. The node e2e proves the same with pods that really run."""
+endpoint on loopback. The node e2e proves the same with pods that really run.
+
+Debian's Prometheus has no `kubernetes_sd_configs`; there the same job runs with its
+discovery served over HTTP SD by `asyncgrpo.testing.pod_discovery` (the pod role's targets and
+labels, from the same API server), and the chart's relabel rules unchanged."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
@@ -13,14 +19,12 @@ from asyncgrpo.api.validation import validate_run
 from asyncgrpo.controller import sandboxes, trainer
 from asyncgrpo.testing import prometheus as p
 from asyncgrpo.testing.cluster import ADMIN_TOKEN
+from asyncgrpo.testing.pod_discovery import PodDiscovery
 from asyncgrpo.trainer.metrics import TrainerMetrics
 from tests.observability.conftest import needs_prometheus
 from tests.operator.helpers import Api, example, pod_status
 
-pytestmark = [needs_prometheus, pytest.mark.cluster, pytest.mark.skipif(
-    not p.supports_kubernetes_sd(),
-    reason="this Prometheus has no kubernetes_sd_configs (Debian's build leaves it out); "
-           "set ASYNCGRPO_PROMETHEUS to an upstream prometheus binary")]
+pytestmark = [needs_prometheus, pytest.mark.cluster]
 
 
 def as_pod(template: dict, name: str, ns: str) -> dict:
@@ -55,8 +59,13 @@ def test_the_charts_scrape_job_discovers_and_relabels_the_operators_pods(kube_cl
 
         token = tmp_path / "token"
         token.write_text(ADMIN_TOKEN)
-        job = p.kubernetes_job(kube_cluster.server, token, namespaces=[ns])
-        with p.PrometheusServer(tmp_path / "prom", [job]) as prom:
+        with contextlib.ExitStack() as stack:
+            if p.supports_kubernetes_sd():
+                job = p.kubernetes_job(kube_cluster.server, token, namespaces=[ns])
+            else:
+                sd = stack.enter_context(PodDiscovery(kube_cluster.server, ADMIN_TOKEN, [ns]))
+                job = p.http_sd_job(sd.url)
+            prom = stack.enter_context(p.PrometheusServer(tmp_path / "prom", [job]))
             targets = prom.wait_for_targets_up(1)
             # one target: the trainer pod (its two ports collapse into the annotated one);
             # the sandbox pod has no scrape annotation and is dropped

@@ -118,6 +118,18 @@ def kubernetes_job(api_server: str, token_file: Path, namespaces: list[str] | No
     return job
 
 
+def http_sd_job(discovery_url: str, name: str = "asyncgrpo",
+                refresh: str = "2s") -> dict[str, Any]:
+    """The chart's plain-Prometheus job with its discovery served over HTTP SD by
+    `asyncgrpo.testing.pod_discovery` (same targets and __meta_kubernetes_* labels), for a
+    Prometheus built without Kubernetes discovery. The relabel rules are the chart's."""
+    job = yaml.safe_load(SCRAPE_JOB.read_text())
+    job["job_name"] = name
+    del job["kubernetes_sd_configs"]
+    job["http_sd_configs"] = [{"url": discovery_url, "refresh_interval": refresh}]
+    return job
+
+
 def rules_file(dest: Path, *, hold: str | None = None) -> Path:
     """The chart's rules file copied to `dest`; `hold` replaces every alert's `for:` (e.g.
     "0s" so a test sees an alert fire at once; the expressions stay the chart's)."""

@@ -10,6 +10,7 @@ with the project's Helm chart, as a user would. Tests then only use the API serv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -96,6 +97,7 @@ class Stack:
     whole: object  # asyncgrpo.testing.node.ClusterWithNode
     s3: object  # asyncgrpo.testing.s3.S3Server
     workdir: Path
+    prometheus: object = None  # asyncgrpo.testing.prometheus.PrometheusServer
 
     @property
     def kubeconfig(self) -> str:
@@ -180,7 +182,30 @@ def e2e_stack(kube_node, tmp_path_factory):
        str(REPO / "charts" / "asyncgrpo"), "--namespace", OPERATOR_NAMESPACE,
        "--create-namespace", "--set", "operator.resyncSeconds=3", "--set",
        f"image.tag={IMAGE_TAG}", "--wait", "--timeout", "5m")
-    try:
+    with contextlib.ExitStack() as running:
+        running.callback(s3.stop)
+        stack.prometheus = running.enter_context(_prometheus(kube_node, workdir))
         yield stack
-    finally:
-        s3.stop()
+
+
+@contextlib.contextmanager
+def _prometheus(whole, workdir: Path):
+    """A real Prometheus on the host, with the chart's scrape job (pods discovered through
+    the API server, annotations and relabelling as shipped) and the chart's rules: it
+    scrapes the pods on the node by their pod IPs, as an in-cluster Prometheus would."""
+    from asyncgrpo.testing import prometheus as p
+    from asyncgrpo.testing.cluster import ADMIN_TOKEN
+    from asyncgrpo.testing.pod_discovery import PodDiscovery
+
+    with contextlib.ExitStack() as running:
+        if p.supports_kubernetes_sd():
+            token = workdir / "prometheus-token"
+            token.write_text(ADMIN_TOKEN)
+            job = p.kubernetes_job(whole.cluster.server, token)
+        else:  # Debian's build: the pod role's targets and labels over HTTP SD
+            sd = running.enter_context(PodDiscovery(whole.cluster.server, ADMIN_TOKEN))
+            job = p.http_sd_job(sd.url)
+        rules = p.rules_file(workdir / "rules.yaml")
+        yield running.enter_context(p.PrometheusServer(
+            workdir / "prometheus", [job], rule_files=[rules], scrape_interval="2s",
+            evaluation_interval="2s"))

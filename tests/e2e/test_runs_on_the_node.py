@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
+
+from asyncgrpo.testing.prometheus import missing_data
 
 from .conftest import OPERATOR_DEPLOYMENT, OPERATOR_NAMESPACE, SANDBOX_IMAGE, wait_for
 from .test_tiny_lora_run import prompts_configmap, tiny_run
@@ -85,12 +88,15 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
                 if line.startswith("asyncgrpo_gateway_") and "lease" in line.split("{")[0]]
 
     leases: list[str] = []
+    moments: list[float] = []  # when every component ran, for Prometheus afterwards
 
     def finished_keeping_logs():  # trainer logs and gateway metrics, read while they run
         logs.append(stack.logs(ns, "app.kubernetes.io/component=trainer"))
         if not leases:
             leases.extend(gateway_lease_metrics())
         s = status_of(stack, "agents", ns)
+        if s.get("step", 0) >= 2 and s.get("phase") == "Running":
+            moments.append(time.time())
         return s if s.get("phase") in ("Succeeded", "Failed") else None
 
     status = wait_for("agents finished", finished_keeping_logs, timeout=900, interval=5,
@@ -105,6 +111,19 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
     assert leases, "the gateway exported no lease metrics while the run went on"
     # rewards were computed in sandbox pods, and some groups scored
     assert rewards and max(rewards) > 0, "\n".join(logs)[-3000:]
+
+    # A real Prometheus discovered the run's pods through the API server and scraped them:
+    # every dashboard panel and rule has data for the moment the run was mid-way
+    prom = stack.prometheus
+    assert moments, "never saw the run Running at step 2"
+    up = {(t["labels"].get("component"), t["health"]) for t in prom.targets()}
+    print(f"E2E Prometheus targets (component, health) seen: {sorted(up, key=str)}")
+    empty, skipped = missing_data(prom, {"operator", "trainer", "gateway", "vllm"},
+                                  at=moments[-1])
+    assert not empty, "no data for:\n" + "\n".join(f"{c.source}: {c.expr}" for c in empty)
+    # left out: only what sandbox pods (not scraped) or full fine-tuning's pullers feed
+    assert all(c.components & {"sandbox", "weights"} for c in skipped), \
+        [c.source for c in skipped]
 
 
 def test_two_trainer_pods_train_one_run_over_gloo(e2e_stack):

@@ -472,11 +472,13 @@ class Condition(StatusModel):
                                             description="Generation the condition was set for.")
 
 
-class AdapterVersionsLoaded(StatusModel):
-    """Policy versions one vLLM replica currently serves."""
+class ServedWeightsStatus(StatusModel):
+    """Full fine-tuning: the weights versions the vLLM replicas serve, read from each
+    replica's weights puller (replicas catch up on their own)."""
 
-    replica: str = Field(description="vLLM pod name.")
-    versions: list[int] = Field(default_factory=list, description="Loaded policy versions.")
+    oldest: int = Field(default=0, description="Oldest version a replica serves.")
+    newest: int = Field(default=0, description="Newest version a replica serves.")
+    replicas: int = Field(default=0, description="Replicas whose puller answered.")
 
 
 class ThroughputStatus(StatusModel):
@@ -517,9 +519,9 @@ class AsyncGRPORunStatus(StatusModel):
     policy_version: int = Field(default=0, description="Newest adapter version published.")
     reward: float | None = Field(default=None, description="Mean reward of the samples of "
                                  "the trainer's last step.")
-    adapter_versions: list[AdapterVersionsLoaded] = Field(
-        default_factory=list, description="Versions loaded per vLLM replica."
-    )
+    served_weights: ServedWeightsStatus | None = Field(
+        default=None, description="Full fine-tuning: weights versions served by the vLLM "
+        "replicas (oldest, newest).")
     throughput: ThroughputStatus = Field(default_factory=ThroughputStatus,
                                          description="Throughput.")
     sandboxes: SandboxStatus = Field(default_factory=SandboxStatus, description="Sandbox counts.")

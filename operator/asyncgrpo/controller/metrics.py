@@ -56,6 +56,10 @@ class OperatorMetrics:
                                        [*run, "kind"], registry=r)
         self.compression = Gauge("asyncgrpo_operator_run_tree_compression_ratio",
                                  "Raw / forwarded tokens of tree packing.", run, registry=r)
+        self.served_weights = Gauge("asyncgrpo_operator_run_served_weights_version",
+                                    "Full fine-tuning: weights version served by the oldest "
+                                    "and the newest vLLM replica.", [*run, "replica"],
+                                    registry=r)
         self._phases: dict[tuple[str, str], str] = {}
         for p in PHASES:
             self.runs.labels(p).set(0)
@@ -83,6 +87,9 @@ class OperatorMetrics:
             self.tokens_per_second.labels(ns, name, "unique").set(tp["uniqueTokensPerSecond"])
         if "treeCompressionRatio" in tp:
             self.compression.labels(ns, name).set(tp["treeCompressionRatio"])
+        for end, version in (status.get("servedWeights") or {}).items():
+            if end in ("oldest", "newest"):
+                self.served_weights.labels(ns, name, end).set(version)
 
     def forget(self, ns: str, name: str) -> None:
         self.set_phase(ns, name, None)
@@ -94,6 +101,11 @@ class OperatorMetrics:
         for state in SANDBOX_STATES:
             try:
                 self.sandboxes.remove(ns, name, state)
+            except KeyError:
+                pass
+        for end in ("oldest", "newest"):
+            try:
+                self.served_weights.remove(ns, name, end)
             except KeyError:
                 pass
         for kind in ("raw", "unique"):

@@ -19,7 +19,7 @@ from typing import Any
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import gateway, sandboxes, trainer, vllm
 from asyncgrpo.controller.common import metadata, name, selector, stamp
-from asyncgrpo.wire import GATEWAY_PORT, SANDBOX_PORT, VLLM_PORT
+from asyncgrpo.wire import GATEWAY_PORT, PULLER_PORT, SANDBOX_PORT, VLLM_PORT
 
 #: The operator's pods (the chart's selector labels), in any namespace: it reads rank 0's
 #: progress, so it is a scraper whatever else is configured.
@@ -76,12 +76,13 @@ def build_sandbox_policy(run: AsyncGRPORun, resolved_hosts: list[str]) -> dict[s
 
 
 def _ingress_only(run: AsyncGRPORun, component: str, ports: list[int], peers: list[str],
-                  scrapers: list[dict[str, Any]], metrics_port: int) -> dict[str, Any]:
+                  scrapers: list[dict[str, Any]], metrics_port: int,
+                  extra: list[dict[str, Any]] = ()) -> dict[str, Any]:
     tcp = [{"protocol": "TCP", "port": p} for p in ports]
     rules = [{"from": [_peer(run, c) for c in peers], "ports": tcp}]
     if scrapers:
         rules.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": metrics_port}]})
-    return _policy(run, component, {"policyTypes": ["Ingress"], "ingress": rules})
+    return _policy(run, component, {"policyTypes": ["Ingress"], "ingress": rules + list(extra)})
 
 
 def build_policies(run: AsyncGRPORun, resolved_hosts: list[str] | None = None,
@@ -96,9 +97,13 @@ def build_policies(run: AsyncGRPORun, resolved_hosts: list[str] | None = None,
         *([{"from": scrapers, "ports": [{"protocol": "TCP", "port": metrics}]}]
           if scrapers else []),
     ]}
+    # full fine-tuning: the operator reads each replica's weights puller (served version)
+    pullers = [{"from": [OPERATOR_SCRAPER], "ports": [{"protocol": "TCP", "port": PULLER_PORT}]}
+               ] if run.spec.model.finetuning == "full" else []
     out = [
         _policy(run, trainer.COMPONENT, trainer_rules),
-        _ingress_only(run, vllm.COMPONENT, [VLLM_PORT], [trainer.COMPONENT], scrapers, VLLM_PORT),
+        _ingress_only(run, vllm.COMPONENT, [VLLM_PORT], [trainer.COMPONENT], scrapers,
+                      VLLM_PORT, pullers),
     ]
     if run.spec.sandboxes is not None:
         out.append(_ingress_only(run, gateway.COMPONENT, [GATEWAY_PORT], [trainer.COMPONENT],

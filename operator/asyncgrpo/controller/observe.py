@@ -38,6 +38,8 @@ class Child:
     restarts: int = 0
     #: the last termination message of its first container (the trainer's final numbers)
     termination_message: str = ""
+    #: the pod's IP (the operator reads each vLLM replica's weights puller there)
+    ip: str = ""
 
 
 def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +64,8 @@ def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
     if out["unschedulable"] and not problem:
         problem, message = "Unschedulable", sched.get("message", "")
     out |= {"problem": problem, "problem_message": message[:300],
-            "exit_codes": tuple(codes), "restarts": restarts, "termination_message": final}
+            "exit_codes": tuple(codes), "restarts": restarts, "termination_message": final,
+            "ip": status.get("podIP") or ""}
     return out
 
 

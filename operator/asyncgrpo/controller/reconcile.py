@@ -30,7 +30,7 @@ from asyncgrpo.api.validation import (
     immutable_errors,
     validate_run,
 )
-from asyncgrpo.controller import bucket, pool, progress, sandboxes, secret
+from asyncgrpo.controller import bucket, pool, progress, sandboxes, secret, served
 from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION
@@ -143,6 +143,8 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     if final is not None:
         state.progress = _merge_progress(state.progress, final)
     obs.progress = state.progress
+    if run.spec.model.finetuning == "full" and not stopped:
+        obs.served_weights = served.served_weights(children)
 
     status, events = compute(run.spec, obs, old, now_iso())
     status["checkpointIdentity"] = old.get("checkpointIdentity") or checkpoint_identity(run.spec)

@@ -18,6 +18,7 @@ from asyncgrpo.api.validation import FieldError
 from asyncgrpo.controller.bucket import BucketError
 from asyncgrpo.controller.observe import Child, workload
 from asyncgrpo.controller.progress import Progress
+from asyncgrpo.controller.served import ServedWeights
 
 PENDING, STARTING, RUNNING, SUSPENDED, SUCCEEDED, FAILED = (
     "Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed")
@@ -46,6 +47,8 @@ class Observation:
     trainer_gated: bool = False
     apply_errors: list[tuple[str, str]] = field(default_factory=list)
     pool_error: tuple[str, str] | None = None
+    #: full fine-tuning: the weights versions the vLLM replicas serve (oldest, newest)
+    served_weights: ServedWeights | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,8 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
               if v is not None}
         if tp:
             status["throughput"] = tp
+    if obs.served_weights is not None:
+        status["servedWeights"] = obs.served_weights.status()
     if spec is not None and spec.sandboxes is not None and obs.sandboxes:
         sb = status["sandboxes"] = dict(obs.sandboxes)
         if "wanted" in sb:

@@ -21,7 +21,7 @@ import ssl
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -115,15 +115,15 @@ class PodDiscovery:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}/targets"
 
-    def start(self, host: str = "127.0.0.1") -> PodDiscovery:
+    def start(self, host: str = "127.0.0.1") -> Self:
         discovery = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
+            def do_GET(self):
                 try:
                     body = json.dumps(target_groups(discovery.pods())).encode()
                     code = 200
-                except Exception as err:  # Prometheus keeps the last good list on an error
+                except (OSError, ValueError, KeyError) as err:  # Prometheus keeps its last list
                     body, code = str(err).encode(), 502
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -145,7 +145,7 @@ class PodDiscovery:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> PodDiscovery:
+    def __enter__(self) -> Self:
         return self.start() if self._server is None else self
 
     def __exit__(self, *exc) -> None:

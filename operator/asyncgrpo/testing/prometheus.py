@@ -43,9 +43,11 @@ RULES = CHART_FILES / "alerts.yaml"
 SCRAPE_JOB = CHART_FILES / "prometheus-scrape.yaml"
 
 #: metric name prefix -> the component that exports it (the operator, each trainer pod,
-#: vLLM, the gateway, a sandbox pod)
+#: vLLM, the gateway, a sandbox pod; "weights": a full fine-tuning run's pullers)
 COMPONENTS = {
     "asyncgrpo_operator_": "operator",
+    # full fine-tuning only: the operator reads it from each vLLM replica's weights puller
+    "asyncgrpo_operator_run_served_weights": "weights",
     "asyncgrpo_trainer_": "trainer",
     "asyncgrpo_gateway_": "gateway",
     "asyncgrpo_sandbox_": "sandbox",
@@ -345,15 +347,18 @@ def rule_queries(rules: Path = RULES) -> list[Check]:
 
 
 def missing_data(prom: PrometheusServer, running: set[str],
-                 checks: list[Check] | None = None) -> tuple[list[Check], list[Check]]:
+                 checks: list[Check] | None = None, at: float | None = None,
+                 ) -> tuple[list[Check], list[Check]]:
     """(checks that return nothing although every component they read runs, checks left
-    out because a component they read is not running). An empty first list is the pass."""
+    out because a component they read is not running). An empty first list is the pass.
+    `at` evaluates them at a past moment (a run's pods are gone once it ended, and their
+    series end with them)."""
     checks = panel_queries() + rule_queries() if checks is None else checks
     empty, skipped = [], []
     for c in checks:
         if not c.components <= running:
             skipped.append(c)
-        elif not any(_number(r) for r in prom.query(c.expr)):
+        elif not any(_number(r) for r in prom.query(c.expr, at)):
             empty.append(c)
     return empty, skipped
 

@@ -1,0 +1,118 @@
+"""Full fine-tuning: the versions the vLLM replicas serve, read from their weights pullers,
+reach the run's status (oldest, newest), the operator's metrics, and the NetworkPolicy lets
+only the operator ask."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from asyncgrpo.controller import network
+from asyncgrpo.controller.metrics import OperatorMetrics
+from asyncgrpo.controller.observe import Child, summarize
+from asyncgrpo.controller.served import ServedWeights, read_puller, served_weights
+from asyncgrpo.controller.status import Observation, compute
+from asyncgrpo.wire import PULLER_PORT
+from tests.operator.test_builders import run_of
+
+
+def vllm_pod(name: str, ip: str, phase: str = "Running", deleting: bool = False) -> Child:
+    return Child(kind="Pod", name=name, component="vllm", hash=None, phase=phase, ip=ip,
+                 deleting=deleting)
+
+
+@pytest.fixture
+def puller_status():
+    """A real HTTP server answering /status as the puller does; the test sets the body."""
+    doc: dict = {"body": b"{}"}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = doc["body"] if self.path == "/status" else b"not found"
+            self.send_response(200 if self.path == "/status" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield doc, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_read_puller_takes_the_served_version_and_nothing_else(puller_status):
+    doc, port = puller_status
+    doc["body"] = json.dumps({"ready": True, "served_version": 7, "latest_seen": 9}).encode()
+    assert read_puller("127.0.0.1", port) == 7
+    for bad in (b'{"served_version": null}', b'{"served_version": "7"}', b"[7]", b"not json",
+                b'{"served_version": true}'):
+        doc["body"] = bad
+        assert read_puller("127.0.0.1", port) is None, bad
+
+
+def test_a_silent_puller_is_none_within_its_timeout():
+    # nothing listens on this port of loopback: refused at once
+    assert read_puller("127.0.0.1", 9, timeout=0.5) is None
+
+
+def test_served_weights_spans_the_running_replicas_that_answer():
+    children = [vllm_pod("a", "10.0.0.1"), vllm_pod("b", "10.0.0.2"), vllm_pod("c", "10.0.0.3"),
+                vllm_pod("pending", "", phase="Pending"),
+                vllm_pod("going", "10.0.0.9", deleting=True),
+                Child(kind="Pod", name="t", component="trainer", hash=None, phase="Running",
+                      ip="10.0.0.5")]
+    asked = []
+    versions = {"10.0.0.1": 4, "10.0.0.2": 6, "10.0.0.3": None}
+
+    def read(ip):
+        asked.append(ip)
+        return versions[ip]
+
+    assert served_weights(children, read=read) == ServedWeights(oldest=4, newest=6, replicas=2)
+    assert sorted(asked) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert served_weights([vllm_pod("a", "10.0.0.1")], read=lambda ip: None) is None
+    assert served_weights([], read=read) is None
+
+
+def test_the_pod_ip_comes_from_the_pod_status():
+    body = {"kind": "Pod", "metadata": {"name": "p", "labels": {
+        "app.kubernetes.io/component": "vllm"}}, "status": {"phase": "Running",
+                                                             "podIP": "198.18.0.7"}}
+    assert summarize(body).ip == "198.18.0.7"
+
+
+def test_status_and_metrics_show_the_spread():
+    spec = run_of("full-finetune.yaml").spec
+    obs = Observation(generation=1, bucket_checked=True,
+                      served_weights=ServedWeights(oldest=3, newest=5, replicas=2))
+    status, _ = compute(spec, obs, {}, "T")
+    assert status["servedWeights"] == {"oldest": 3, "newest": 5, "replicas": 2}
+    m = OperatorMetrics()
+    m.set_status("ns", "r", status)
+    value = m.registry.get_sample_value
+    assert value("asyncgrpo_operator_run_served_weights_version",
+                 {"namespace": "ns", "run": "r", "replica": "oldest"}) == 3
+    assert value("asyncgrpo_operator_run_served_weights_version",
+                 {"namespace": "ns", "run": "r", "replica": "newest"}) == 5
+    m.forget("ns", "r")
+    assert value("asyncgrpo_operator_run_served_weights_version",
+                 {"namespace": "ns", "run": "r", "replica": "newest"}) is None
+
+
+def test_only_the_operator_may_ask_a_puller_and_only_in_full_runs():
+    def puller_rules(run):
+        policy = next(p for p in network.build_policies(run)
+                      if p["metadata"]["name"].endswith("-vllm"))
+        return [r for r in policy["spec"]["ingress"]
+                if {"protocol": "TCP", "port": PULLER_PORT} in r.get("ports", [])]
+
+    assert puller_rules(run_of("full-finetune.yaml")) == [
+        {"from": [network.OPERATOR_SCRAPER], "ports": [{"protocol": "TCP", "port": PULLER_PORT}]}]
+    assert puller_rules(run_of("lora-math.yaml")) == []

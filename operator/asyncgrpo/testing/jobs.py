@@ -67,7 +67,7 @@ class BucketJobKubelet:
             try:
                 pods = request(self.api, "GET", "/api/v1/pods",
                                query=[("labelSelector", SELECTOR)])["items"]
-            except Exception:  # noqa: BLE001 - the API server restarting: try again
+            except Exception:  # noqa: BLE001, S112 - the API server restarting: try again
                 continue
             for pod in pods:
                 meta = pod["metadata"]

@@ -22,6 +22,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from asyncgrpo.controller.bucketjob import CLEANUP, SETUP
@@ -125,7 +126,7 @@ class BucketJobKubelet:
                 code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = 137
-            message = open(log).read() if os.path.exists(log) else ""
+            message = Path(log).read_text() if os.path.exists(log) else ""
         self.ran.append((ns, name, code, message))
         self._status(ns, name, container["name"], exit_code=code, message=message,
                      started=started)

@@ -69,7 +69,7 @@ def test_without_a_secret_the_job_has_only_its_accounts_identity():
 
 
 def test_the_job_spec_hash_follows_the_store_and_the_uid():
-    h = lambda job: job["metadata"]["annotations"]["asyncgrpo.dev/spec-hash"]  # noqa: E731
+    h = lambda job: job["metadata"]["annotations"]["asyncgrpo.dev/spec-hash"]
     base = h(bucketjob.build_job(run_of(), bucketjob.SETUP, "u", JS))
     assert base == h(bucketjob.build_job(run_of(), bucketjob.SETUP, "u", JS))
     assert base != h(bucketjob.build_job(run_of(), bucketjob.SETUP, "v", JS))

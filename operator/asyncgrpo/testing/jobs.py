@@ -148,5 +148,5 @@ class BucketJobKubelet:
         try:
             request(self.api, "PATCH", path("Pod", ns, name) + "/status", body,
                     "application/merge-patch+json")
-        except Exception:  # noqa: BLE001 - the pod went with its Job
+        except Exception:  # noqa: BLE001, S110 - the pod went with its Job
             pass

@@ -20,6 +20,7 @@ _COMMAND_MODULES: dict[str, str] = {
     "sandbox": "asyncgrpo.sandbox.commands",
     "gateway": "asyncgrpo.sandbox.commands",
     "operator": "asyncgrpo.controller.commands",
+    "bucket": "asyncgrpo.controller.bucket_commands",
     "local": "asyncgrpo.local.commands",
     "weights": "asyncgrpo.weights.commands",
     "report": "asyncgrpo.report",

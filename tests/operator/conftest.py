@@ -1,5 +1,6 @@
 """Fixtures of the operator tests: the operator (kopf, in a thread) against the real test
-cluster, a loopback HTTP server standing in for gateways and trainers, the real S3 server.
+cluster, a loopback HTTP server standing in for gateways and trainers, the real S3 server,
+and a kubelet for the bucket Jobs' pods (they run `asyncgrpo bucket ...` as local processes).
 
 The shared operator watches namespaces named `op-*`; tests that restart or peer operators
 run their own on `own-*` namespaces, so two operators never act on one run.
@@ -18,7 +19,18 @@ from tests.operator.helpers import Api, JsonServer, s3_secret
 
 
 @pytest.fixture(scope="session")
-def api(kube_client):
+def bucket_jobs(kube_client):
+    """Runs the bucket Jobs' pods (the test cluster has no node): see
+    asyncgrpo.testing.jobs. Every test that talks to the cluster has it, through `api`."""
+    from asyncgrpo.testing.jobs import BucketJobKubelet
+
+    kubelet = BucketJobKubelet(kube_client).start()
+    yield kubelet
+    kubelet.stop()
+
+
+@pytest.fixture(scope="session")
+def api(kube_client, bucket_jobs):
     return Api(kube_client)
 
 

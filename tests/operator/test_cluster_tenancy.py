@@ -182,7 +182,7 @@ def test_silent_endpoint_cleanup_is_released_by_the_annotation(api, ns, s3_serve
         wait_for(lambda: api.condition(ns, "stuck", "BucketReady").get("reason")
                  == "EndpointUnreachable", timeout=60, what="EndpointUnreachable")
         api.delete("AsyncGRPORun", ns, "stuck")
-        # the cleanup cannot reach the endpoint: the finalizer holds the run
+        # the cleanup Job cannot reach the endpoint: the finalizer holds the run
         wait_for(lambda: api.run(ns, "stuck").get("metadata", {}).get("deletionTimestamp"),
                  what="deleting")
         assert api.get("AsyncGRPORun", ns, "stuck") is not None
@@ -211,35 +211,70 @@ def guarded(api, s3_server, crd_installed, peers):
     settings.bucket_recheck_seconds = 2.0
     op = EmbeddedOperator([ns], settings).start()
     yield ns, silent
+    # runs go while their operator still runs (it holds their finalizers), then the namespace
+    for run in api.list("AsyncGRPORun", ns):
+        api.patch("AsyncGRPORun", ns, run["metadata"]["name"], {"metadata": {"annotations": {
+            "asyncgrpo.dev/skip-bucket-cleanup": "true"}}})
+        api.delete("AsyncGRPORun", ns, run["metadata"]["name"])
+    wait_for(lambda: not api.list("AsyncGRPORun", ns), timeout=60, what="runs gone")
     api.call("DELETE", f"/api/v1/namespaces/{ns}")
     op.stop()
     silent.close()
 
 
-def test_listener_never_receives_a_credential(api, guarded, s3_server):
-    ns, listener = guarded[0], Listener()
+def test_listener_never_receives_a_credential(api, guarded, s3_server, bucket_jobs):
+    """The operator never talks to a run's endpoint: setup and cleanup are Jobs in the run's
+    namespace, with the run's Secret by reference. With no kubelet for the namespace (held),
+    an allowed listener as the endpoint sees no connection at all through setup and deletion:
+    anything it got would have come from the operator."""
+    ns, allowed = guarded
+    listener = Listener()
     try:
-        # with the run's Secret, aimed at an endpoint the admin did not allow
+        # aimed at an endpoint the admin did not allow: refused, no Job at all
         run = make_run(s3_server, ns, "exfil")
         run["spec"]["adapterStore"].update({"endpoint": listener.endpoint,
                                             "deletionPolicy": "Delete"})
         api.create(run)
         wait_for(lambda: api.condition(ns, "exfil", "BucketReady").get("reason")
                  == "EndpointNotAllowed", what="EndpointNotAllowed")
-        # without a Secret: the operator never signs with its own identity
+        assert api.get("Job", ns, "exfil-bucket-setup") is None
+
+        # without a Secret: the Job runs as the run's ServiceAccount, never the operator's
+        # identity; this machine gives that account none
         bare = make_run(s3_server, ns, "bare")
         bare["spec"]["adapterStore"].pop("credentialsSecret")
-        bare["spec"]["adapterStore"]["endpoint"] = s3_server.endpoint
         bare["spec"]["adapterStore"]["deletionPolicy"] = "Delete"
         api.create(bare)
         cond = wait_for(lambda: (c := api.condition(ns, "bare", "BucketReady"))
-                        .get("reason") == "PodIdentity" and c, what="PodIdentity")
-        assert cond["status"] == "Unknown"
-        for name in ("exfil", "bare"):
+                        .get("reason") == "NoCredentials" and c, what="NoCredentials")
+        assert cond["status"] == "False"
+
+        bucket_jobs.hold(ns)
+        signer = make_run(s3_server, ns, "signer")
+        signer["spec"]["adapterStore"].update({"endpoint": allowed.endpoint,
+                                               "deletionPolicy": "Delete"})
+        api.create(signer)
+        job = wait_for(lambda: api.get("Job", ns, "signer-bucket-setup"), what="setup Job")
+        pod = job["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "signer-workload"
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == \
+            "s3-credentials"
+        for name in ("exfil", "bare", "signer"):
             api.delete("AsyncGRPORun", ns, name)
+        wait_for(lambda: api.get("Job", ns, "signer-bucket-cleanup"), what="cleanup Job")
+        api.patch("AsyncGRPORun", ns, "signer",
+                  {"metadata": {"annotations": {"asyncgrpo.dev/skip-bucket-cleanup": "true"}}})
+        for name in ("exfil", "bare", "signer"):
             wait_for(lambda n=name: api.get("AsyncGRPORun", ns, n) is None, what="deleted")
-        assert listener.connections == 0 and listener.received == b""
-        assert "CleanupSkipped" in {e["reason"] for e in api.events(ns, "bare")}
+        assert (listener.connections, allowed.connections) == (0, 0)
+        assert listener.received == allowed.received == b""
+        assert "NoCredentials" in {e["reason"] for e in api.events(ns, "bare")
+                                   if e["type"] == "Warning"}
+        # the cleanup Job does not outlive the deletion
+        wait_for(lambda: api.get("Job", ns, "signer-bucket-cleanup") is None,
+                 what="cleanup Job removed")
     finally:
         listener.close()
 

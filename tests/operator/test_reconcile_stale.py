@@ -1,6 +1,7 @@
 """One reconcile function against a stale body: the watch may deliver the run as it was
 before the operator's last status patch. A finished run must stay finished (not scale its
-trainer back up) even then. Writes go to a recorder; the bucket is the real S3 server."""
+trainer back up) even then. Writes go to a recorder (the bucket is a Job's business: the
+reconcile never talks to it)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tests.operator.helpers import make_run
 
 
 class Recorder:
-    """Stands in for the API client: records writes, finds nothing (the run has no Secret)."""
+    """Stands in for the API client: records writes; `get` finds only `secret` (the gateway
+    token Secret, when a test gives one)."""
 
     def __init__(self, secret):
         self.writes: list[tuple[str, dict]] = []

@@ -186,11 +186,13 @@ def test_invalid_patch_keeps_what_is_observed_of_the_running_workloads():
     assert ("Warning", "ImmutableFieldChanged") in {(e.type, e.reason) for e in events}
 
 
-def test_pod_identity_is_unknown_and_does_not_hold_the_run():
-    status, _ = compute(SPEC, running_obs(bucket_note=("PodIdentity", "pods' own identity")),
-                        {}, "T1")
+def test_a_setup_job_still_running_holds_the_run_pending():
+    obs = running_obs()
+    obs.bucket_checked = False
+    status, _ = compute(SPEC, obs, {}, "T1")
     assert conds(status)["BucketReady"]["status"] == "Unknown"
-    assert status["phase"] == "Running"
+    assert conds(status)["BucketReady"]["reason"] == "Checking"
+    assert status["phase"] == "Pending"
 
 
 def test_a_restart_keeps_the_last_bucket_finding_while_the_check_runs():

@@ -36,6 +36,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: [pods, configmaps, services, serviceaccounts]
   verbs: [get, list, watch, create, patch, delete]
+# secrets: only the gateway token Secret the operator creates for a run and reads back
+# after a restart; the operator never reads a run's credentials Secret (the bucket Jobs
+# get it as secretKeyRef env from the kubelet)
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create]
@@ -45,6 +48,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [apps]
   resources: [deployments, statefulsets]
   verbs: [get, list, watch, create, patch, delete]
+# the bucket setup and cleanup Jobs, in the run's namespace (no patch: a changed Job is
+# replaced)
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]

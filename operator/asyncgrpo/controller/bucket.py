@@ -11,19 +11,22 @@ Tenancy (see docs/security.md): the run folder is `asyncgrpo.api.layout.run_fold
 (`<prefix>/<namespace>/<name>/`). Setup writes an ownership marker holding the run's uid and
 refuses a folder that has another run's marker inside it or above it; cleanup deletes only
 when the marker holds the run's uid, never above its folder, and never under another run's
-marker. Clients are built with explicit credentials only (from the run's Secret); without
-them the operator does not touch the bucket, so it never lends its own identity to a run.
+marker.
+
+Where this runs (docs/security.md): only in the run's own pods, never in the operator. The
+operator creates a Job in the run's namespace (`controller.bucketjob`) whose container runs
+`asyncgrpo bucket setup|cleanup` (`controller.bucket_commands`) as the run's ServiceAccount,
+with the run's credentials Secret as env; the operator reads neither the Secret nor the
+bucket, so a tenant can make it sign nothing and send nothing.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import ipaddress
 import json
 import socket
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,41 +55,46 @@ class Credentials:
         return "Credentials(<redacted>)"
 
 
-def credentials_from_secret(secret: dict[str, Any] | None, store: AdapterStoreSpec) -> Credentials:
-    """Decode the referenced Secret's keys; `secret` is None when it does not exist."""
-    ref = store.credentials_secret
-    assert ref is not None
-    if secret is None:
-        raise BucketError("SecretNotFound", f"Secret {ref.name!r} (spec.adapterStore."
-                          "credentialsSecret) does not exist in the run's namespace")
-    data = secret.get("data") or {}
+def credentials_from_env(env: Mapping[str, str]) -> Credentials | None:
+    """The run's keys as the Job's container got them (secretKeyRef env); None without them:
+    then boto3's own chain runs, i.e. the identity of the pod's ServiceAccount (IRSA, GKE
+    workload identity), never the operator's."""
+    key_id, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if key_id is None and secret is None:
+        return None
     values = {}
-    for key in (ref.access_key_id_key, ref.secret_access_key_key):
-        if key not in data:
-            raise BucketError("SecretKeyMissing", f"Secret {ref.name!r} has no key {key!r}")
+    for key, value in (("AWS_ACCESS_KEY_ID", key_id), ("AWS_SECRET_ACCESS_KEY", secret)):
+        if value is None:
+            raise BucketError("SecretKeyMissing", f"the credentials Secret gave no {key}")
         try:
-            values[key] = base64.b64decode(data[key], validate=True).decode("utf-8").strip()
-        except (binascii.Error, UnicodeDecodeError, TypeError):
-            raise BucketError("SecretInvalid", f"Secret {ref.name!r} key {key!r} is not "
+            # a kubelet passes the Secret's bytes; Python decodes non-UTF-8 as surrogates
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BucketError("SecretInvalid", f"the credentials Secret's {key} is not "
                               "UTF-8 text") from None
-        if not values[key] or not values[key].isprintable():
-            raise BucketError("SecretInvalid", f"Secret {ref.name!r} key {key!r} is empty "
-                              "or holds control characters") from None
-    return Credentials(values[ref.access_key_id_key], values[ref.secret_access_key_key])
+        value = value.strip()
+        if not value or not value.isprintable():
+            raise BucketError("SecretInvalid", f"the credentials Secret's {key} is empty "
+                              "or holds control characters")
+        values[key] = value
+    return Credentials(values["AWS_ACCESS_KEY_ID"], values["AWS_SECRET_ACCESS_KEY"])
 
 
-#: Seconds an S3 call may take from the operator: short, so a silent endpoint costs a bucket
-#: worker a few seconds, never a handler thread (the calls run off the handler path).
+#: Seconds an S3 call may take: short, so a silent endpoint ends the Job in seconds with
+#: EndpointUnreachable instead of holding it until its deadline.
 TIMEOUT_SECONDS = 3.0
 
 
-def check_endpoint(store: AdapterStoreSpec, allowlist: Iterable[str] = ()) -> None:
+def check_endpoint(store: AdapterStoreSpec, allowlist: Iterable[str] = (),
+                   resolve: bool = True) -> None:
     """Refuse an endpoint the cluster admin did not allow, before any request is sent.
 
     `allowlist` holds endpoint URLs ("https://minio.storage:9000") or host names; empty allows
     any host except link-local (169.254.0.0/16, fe80::/10, cloud metadata) and unspecified
-    addresses, which are refused unless listed explicitly. Hosts are resolved here, so a name
-    pointing at a metadata address is refused too.
+    addresses, which are refused unless listed explicitly. With `resolve`, host names are
+    resolved, so a name pointing at a metadata address is refused too: the Job does that from
+    the run's own pod; the operator checks without resolving (no DNS query for a tenant's
+    name from its network position), so only an address literal is refused there.
     """
     allow = [a.rstrip("/") for a in allowlist if a]
     endpoint = store.endpoint
@@ -110,12 +118,18 @@ def check_endpoint(store: AdapterStoreSpec, allowlist: Iterable[str] = ()) -> No
         raise BucketError("EndpointNotAllowed", "spec.adapterStore.endpoint is not in the "
                           "operator's endpoint allowlist (Helm value adapterStore."
                           "allowedEndpoints)")
-    try:
-        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, port or 443,
-                                                       type=socket.SOCK_STREAM)}
-    except (OSError, UnicodeError):
-        raise BucketError("EndpointUnreachable", "spec.adapterStore.endpoint: its host "
-                          "name does not resolve") from None
+    if not resolve:
+        try:
+            addrs = {str(ipaddress.ip_address(host))}
+        except ValueError:   # a name: resolved (and checked) by the Job
+            return
+    else:
+        try:
+            addrs = {ai[4][0] for ai in socket.getaddrinfo(host, port or 443,
+                                                           type=socket.SOCK_STREAM)}
+        except (OSError, UnicodeError):
+            raise BucketError("EndpointUnreachable", "spec.adapterStore.endpoint: its "
+                              "host name does not resolve") from None
     for addr in addrs:
         ip = ipaddress.ip_address(addr.split("%")[0])
         if ip.is_link_local or ip.is_unspecified or ip.is_multicast or \
@@ -126,27 +140,26 @@ def check_endpoint(store: AdapterStoreSpec, allowlist: Iterable[str] = ()) -> No
                               "allowedEndpoints")
 
 
-def client(store: AdapterStoreSpec, creds: Credentials, timeout: float = TIMEOUT_SECONDS):
-    """An S3 client signed with the run's credentials only (never boto3's ambient chain)."""
+def client(store: AdapterStoreSpec, creds: Credentials | None,
+           timeout: float = TIMEOUT_SECONDS):
+    """An S3 client signed with the run's keys, or (None) with boto3's chain: the identity of
+    the pod this runs in, which is always one of the run's own (the bucket Job)."""
     import boto3
     from botocore.config import Config
 
-    if creds is None:  # a programming error: the operator never lends its own identity
-        raise BucketError("NoCredentials", "no credentialsSecret: the operator does not "
-                          "use its own identity for a run's bucket")
     kw: dict[str, Any] = {"region_name": store.region,
                           "config": Config(connect_timeout=timeout, read_timeout=timeout,
                                            retries={"total_max_attempts": 1},
-                                           s3={"addressing_style": "path"}),
-                          "aws_access_key_id": creds.access_key_id,
-                          "aws_secret_access_key": creds.secret_access_key}
+                                           s3={"addressing_style": "path"})}
+    keys: dict[str, str] = {}
+    if creds is not None:
+        keys = {"aws_access_key_id": creds.access_key_id,
+                "aws_secret_access_key": creds.secret_access_key}
     if store.endpoint:
         kw["endpoint_url"] = store.endpoint
     try:
-        # a session of its own: no shared credential chain, no ~/.aws of the operator
-        return boto3.session.Session(aws_access_key_id=creds.access_key_id,
-                                     aws_secret_access_key=creds.secret_access_key,
-                                     region_name=store.region).client("s3", **kw)
+        return boto3.session.Session(region_name=store.region, **keys).client(
+            "s3", **kw, **keys)
     except (ValueError, BotoCoreError) as e:  # bad endpoint URL or region name
         raise BucketError("InvalidEndpoint", "spec.adapterStore endpoint or region is "
                           f"malformed ({type(e).__name__})") from None
@@ -176,7 +189,8 @@ def _classify(err: Exception, store: AdapterStoreSpec, action: str) -> BucketErr
         return BucketError("BucketError", f"{action} bucket {store.bucket!r}: S3 error {code}")
     if isinstance(err, NoCredentialsError):
         return BucketError("NoCredentials", "no S3 credentials: set spec.adapterStore."
-                           "credentialsSecret")
+                           "credentialsSecret, or give the run's ServiceAccount "
+                           "(<run>-workload) a cloud identity")
     if isinstance(err, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError)):
         return BucketError("EndpointUnreachable", f"{action} bucket {store.bucket!r}: the S3 "
                            "endpoint (spec.adapterStore.endpoint) is unreachable or did not "
@@ -194,7 +208,7 @@ def _safe(store: AdapterStoreSpec, action: str, fn):
         raise _classify(err, store, action) from None
 
 
-def ensure_bucket(store: AdapterStoreSpec, creds: Credentials) -> bool:
+def ensure_bucket(store: AdapterStoreSpec, creds: Credentials | None) -> bool:
     """Make sure the bucket exists; True if this call created it."""
     s3 = client(store, creds)
     try:
@@ -227,7 +241,7 @@ class Owner:
 
     def marker(self) -> bytes:
         return json.dumps({"namespace": self.namespace, "name": self.name, "uid": self.uid,
-                           "writer": "asyncgrpo-operator"}).encode()
+                           "writer": "asyncgrpo bucket setup"}).encode()
 
 
 def _read_marker(s3, store: AdapterStoreSpec, key: str) -> str | None:
@@ -272,7 +286,8 @@ def run_folder(store: AdapterStoreSpec, owner: Owner) -> str:
         raise BucketError("InvalidPrefix", str(e)) from None
 
 
-def setup_run_folder(store: AdapterStoreSpec, creds: Credentials, owner: Owner) -> bool:
+def setup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
+                     owner: Owner) -> bool:
     """Ensure the bucket and claim the run folder with the ownership marker.
 
     Refused (BucketError) when the folder holds another run's marker, sits inside another
@@ -305,24 +320,8 @@ def setup_run_folder(store: AdapterStoreSpec, creds: Credentials, owner: Owner) 
     return created
 
 
-def verify_run_folder(store: AdapterStoreSpec, creds: Credentials, owner: Owner) -> bool:
-    """The light periodic re-check: the bucket answers and the marker is still the run's."""
-    folder = run_folder(store, owner)
-    s3 = client(store, creds)
-
-    def check() -> bool:
-        s3.head_bucket(Bucket=store.bucket)
-        found = _read_marker(s3, store, folder + layout.OWNER_MARKER)
-        if found != owner.uid:
-            what = "gone" if found is None else "another run's"
-            raise BucketError("MarkerLost", f"the ownership marker of s3://{store.bucket}/"
-                              f"{folder} is {what}")
-        return False
-
-    return _safe(store, "checking", check)
-
-
-def cleanup_run_folder(store: AdapterStoreSpec, creds: Credentials, owner: Owner) -> int:
+def cleanup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
+                       owner: Owner) -> int:
     """Delete the run's own objects; returns how many. Idempotent.
 
     Deletes nothing unless the folder's marker holds the run's uid and no folder above it is

@@ -70,10 +70,15 @@ def register(subparsers) -> None:
     p.add_argument("--allowed-endpoints", default=_env("ALLOWED_ENDPOINTS", ""),
                    help="comma list of S3 endpoint URLs or hosts runs may use (empty: any "
                         "except link-local and metadata addresses)")
-    p.add_argument("--bucket-wait-seconds", type=float,
-                   default=float(_env("BUCKET_WAIT_SECONDS", "0.5") or 0.5),
-                   help="most a reconcile waits for a bucket call (they run on bucket "
-                        "workers); the rest is picked up by the next tick")
+    p.add_argument("--bucket-job-image", default=_env("BUCKET_JOB_IMAGE", None),
+                   help="image of the bucket setup and cleanup Jobs (default: the operator "
+                        "image of this version)")
+    p.add_argument("--bucket-job-pull-policy", default=_env("BUCKET_JOB_PULL_POLICY",
+                                                            "IfNotPresent"),
+                   help="imagePullPolicy of the bucket Jobs")
+    p.add_argument("--bucket-recheck-seconds", type=float,
+                   default=float(_env("BUCKET_RECHECK_SECONDS", "600") or 600),
+                   help="seconds between re-runs of a run's bucket setup Job")
     p.add_argument("--cleanup-timeout", type=float,
                    default=float(_env("CLEANUP_TIMEOUT_SECONDS", "600") or 600),
                    help="seconds a deleted run's bucket cleanup may take before it is given "
@@ -140,7 +145,10 @@ def run_operator(args: argparse.Namespace) -> int:
     settings.allowed_endpoints = [e.strip() for e in args.allowed_endpoints.split(",")
                                   if e.strip()]
     settings.cleanup_timeout_seconds = args.cleanup_timeout
-    settings.bucket_wait_seconds = args.bucket_wait_seconds
+    if args.bucket_job_image:
+        settings.bucket_job_image = args.bucket_job_image
+    settings.bucket_job_pull_policy = args.bucket_job_pull_policy
+    settings.bucket_recheck_seconds = args.bucket_recheck_seconds
     settings.caps = Caps(sandboxes_per_run=args.cap_sandboxes_per_run,
                          sandboxes_per_namespace=args.cap_sandboxes_per_namespace,
                          vllm_replicas=args.cap_vllm_replicas,

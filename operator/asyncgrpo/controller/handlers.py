@@ -11,7 +11,8 @@ operator's settings instead of import-time globals.
   one of them act at a time; a reconcile that finds the lock taken skips: the running one,
   or the next tick, covers it.
 - The finalizer (kopf's, added because of the delete handler) applies the bucket's
-  deletionPolicy; children go with the run through their ownerReferences.
+  deletionPolicy by a cleanup Job in the run's namespace (`bucketjob`) and waits for it;
+  children go with the run through their ownerReferences.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import wait
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo import API_GROUP, API_VERSION
-from asyncgrpo.controller import bucket, observe, reconcile
-from asyncgrpo.controller.common import MANAGED_BY, RUN_LABEL
+from asyncgrpo.controller import bucket, bucketjob, observe, reconcile
+from asyncgrpo.controller.common import HASH_ANNOTATION, MANAGED_BY, RUN_LABEL
 from asyncgrpo.controller.runtime import Runtime, Settings
 
 log = logging.getLogger("asyncgrpo.operator")
@@ -46,12 +47,13 @@ CHILD_RESOURCES = {
     "idx_networkpolicies": ("networking.k8s.io", "v1", "networkpolicies"),
     "idx_roles": ("rbac.authorization.k8s.io", "v1", "roles"),
     "idx_rolebindings": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "idx_jobs": ("batch", "v1", "jobs"),
 }
 
 KINDS = {"pods": "Pod", "configmaps": "ConfigMap", "services": "Service",
          "serviceaccounts": "ServiceAccount", "deployments": "Deployment",
          "statefulsets": "StatefulSet", "networkpolicies": "NetworkPolicy", "roles": "Role",
-         "rolebindings": "RoleBinding"}
+         "rolebindings": "RoleBinding", "jobs": "Job"}
 
 
 def runtime(memo: Any) -> Runtime:
@@ -220,70 +222,94 @@ def _deleting_for(body: kopf.Body) -> float:
     return (datetime.now(UTC) - since).total_seconds()
 
 
-def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Apply deletionPolicy Delete to the run's own folder, without blocking a worker.
+def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
+              **kwargs: Any) -> None:
+    """Apply deletionPolicy Delete to the run's own folder by a cleanup Job, never blocking.
 
-    The cleanup runs on a bucket worker; this handler waits for it a moment and otherwise
-    asks kopf to call again (TemporaryError), so the finalizer stays until it finished, the
-    user set SKIP_CLEANUP, or `cleanup_timeout_seconds` passed. Every outcome is an event.
+    The Job runs in the run's namespace as its ServiceAccount with its Secret (`bucketjob`);
+    this handler creates it, then asks kopf to call again (TemporaryError) until the Job
+    finished, the user set SKIP_CLEANUP, or `cleanup_timeout_seconds` passed since the
+    deletion. Every outcome is an event; the Job is deleted on every way out. The Job has no
+    ownerReference to the run: a foreground deletion would otherwise remove it first.
     """
     rt = runtime(memo)
     key = (body.metadata.namespace, body.metadata.name)
+    ns = key[0]
+    children = _children(kwargs, key)
+    job_name = f"{body.metadata.name}-{bucketjob.CLEANUP}"
+    job = next((c for c in children if c.kind == "Job" and c.name == job_name), None)
+
+    def done(type_: str, reason: str, message: str) -> None:
+        if job is not None and not job.deleting:
+            rt.kube.delete("Job", ns, job_name, propagation="Background")
+        kopf.event(body, type=type_, reason=reason, message=message)
+        rt.forget(key)
+
     run, _errors = reconcile.validate_run(reconcile.run_document(dict(body)))
     if run is None:
         if ((body.spec or {}).get("adapterStore") or {}).get("deletionPolicy") == "Delete":
-            kopf.event(body, type="Warning", reason="CleanupSkipped",
-                       message="bucket objects kept: the spec is not a valid run")
+            return done("Warning", "CleanupSkipped", "bucket objects kept: the spec is not "
+                        "a valid run")
         rt.forget(key)
         return
     if run.spec.adapter_store.deletion_policy != "Delete":
         rt.forget(key)
         return
-
-    def done(type_: str, reason: str, message: str) -> None:
-        kopf.event(body, type=type_, reason=reason, message=message)
-        rt.forget(key)
-
     if str(body.metadata.annotations.get(SKIP_CLEANUP, "")).lower() == "true":
         return done("Warning", "CleanupSkipped", f"bucket objects kept: {SKIP_CLEANUP} is set")
-    if run.spec.adapter_store.credentials_secret is None:
-        return done("Warning", "CleanupSkipped", "bucket objects kept: without "
-                    "credentialsSecret the operator has no identity of the run to delete with")
-    state = rt.run(key)
-    if state.cleanup_job is None:
-        uid = str(body.metadata.get("uid") or "")
-
-        def task() -> int:
-            creds = reconcile.read_credentials(rt, run)
-            assert creds is not None
-            bucket.check_endpoint(run.spec.adapter_store, rt.settings.allowed_endpoints)
-            return bucket.cleanup_run_folder(run.spec.adapter_store, creds,
-                                             reconcile.owner_of(run, uid))
-
-        state.cleanup_job = rt.bucket_pool.submit(task)
-    job = state.cleanup_job
-    wait([job], timeout=rt.settings.bucket_wait_seconds)
-    waited = _deleting_for(body)
-    if not job.done():
-        if waited >= rt.settings.cleanup_timeout_seconds:
-            return done("Warning", "CleanupAbandoned", "bucket objects kept: the cleanup did "
-                        f"not finish in {rt.settings.cleanup_timeout_seconds:.0f} s")
-        raise kopf.TemporaryError("waiting for the bucket cleanup", delay=2)
-    state.cleanup_job = None
+    uid = str(body.metadata.get("uid") or "")
     try:
-        n = job.result()
+        bucket.check_endpoint(run.spec.adapter_store, rt.settings.allowed_endpoints,
+                              resolve=False)
+        bucket.run_folder(run.spec.adapter_store, reconcile.owner_of(run, uid))
     except bucket.BucketError as e:
-        if e.reason == "EndpointUnreachable":
-            if waited < rt.settings.cleanup_timeout_seconds:
-                raise kopf.TemporaryError(e.message, delay=5) from None
-            return done("Warning", "CleanupAbandoned", "bucket objects kept: the cleanup did "
-                        f"not finish in {rt.settings.cleanup_timeout_seconds:.0f} s "
-                        f"({e.message})")
         return done("Warning", e.reason, f"bucket objects kept: {e.message}")
-    except Exception as e:  # noqa: BLE001 - never a handler that raises forever
-        return done("Warning", "CleanupFailed", f"bucket objects kept: {type(e).__name__}")
-    logger.info("deleted %d objects of %s/%s from the bucket", n, *key)
-    done("Normal", "BucketCleaned", f"deleted {n} objects of the run's folder")
+    waited = _deleting_for(body)
+    timeout = rt.settings.cleanup_timeout_seconds
+
+    def give_up(why: str) -> None:
+        done("Warning", "CleanupAbandoned", f"bucket objects kept: the cleanup did not "
+             f"finish in {timeout:.0f} s ({why})")
+
+    desired = bucketjob.build_job(run, bucketjob.CLEANUP, uid, reconcile.job_settings(rt))
+    if job is None or job.deleting:
+        if waited >= timeout:
+            return give_up("no cleanup Job could run")
+        if job is None:
+            try:
+                rt.kube.create(desired)
+            except ApiException as e:
+                reason, message = reconcile.api_error(e)
+                if e.status == 403 and "terminat" in message:
+                    # the namespace is going away, with the Secret and the ServiceAccount
+                    return done("Warning", "CleanupAbandoned", "bucket objects kept: the "
+                                "namespace is being deleted, no cleanup Job can run there")
+                if e.status < 500 and e.status != 409:
+                    return done("Warning", "CleanupFailed", f"bucket objects kept: the "
+                                f"cleanup Job was refused ({reason}: {message})")
+                raise kopf.TemporaryError(f"creating the cleanup Job: {reason}", delay=5) \
+                    from None
+        raise kopf.TemporaryError("waiting for the bucket cleanup Job", delay=2)
+    if job.hash != desired["metadata"]["annotations"][HASH_ANNOTATION]:
+        # a Job of an earlier run of the same name, or of another operator version
+        rt.kube.delete("Job", ns, job_name, propagation="Background")
+        raise kopf.TemporaryError("replacing a stale cleanup Job", delay=2)
+    result = bucketjob.outcome(job, [c for c in children if c.kind == "Pod"])
+    if result.state == "succeeded":
+        logger.info("bucket cleanup of %s/%s: %s", *key, result.message)
+        return done("Normal", "BucketCleaned", result.message or "the run's folder is empty")
+    if result.state == "running":
+        if waited >= timeout:
+            return give_up("the Job is still running")
+        raise kopf.TemporaryError("waiting for the bucket cleanup Job", delay=2)
+    if result.reason == "EndpointUnreachable" or result.reason in ("SecretNotFound",
+                                                                   "DeadlineExceeded"):
+        # may pass on a later try: a new Job, until the timeout
+        if waited >= timeout:
+            return give_up(result.message)
+        rt.kube.delete("Job", ns, job_name, propagation="Background")
+        raise kopf.TemporaryError(result.message, delay=5)
+    done("Warning", result.reason, f"bucket objects kept: {result.message}")
 
 
 def validate(body: kopf.Body, memo: kopf.Memo, old: kopf.Body | None = None,

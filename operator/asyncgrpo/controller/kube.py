@@ -28,6 +28,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Job": ("/apis/batch/v1", "jobs"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "AsyncGRPORun": (f"/apis/{API_GROUP}/{API_VERSION}", "asyncgrporuns"),

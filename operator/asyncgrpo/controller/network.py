@@ -7,6 +7,10 @@
   blocks, with DNS to kube-dns opened only when host names are listed);
 - trainer, vLLM and gateway: ingress only from the run's own pods and from the metrics
   scrapers (Prometheus, the operator), given as NetworkPolicy peers in the operator settings.
+- the bucket Jobs' pods (setup, cleanup): no ingress; egress to DNS and to the S3
+  endpoint's port on any address but link-local ones (cloud metadata), or open when the run
+  has no credentialsSecret (its pods' cloud identity may need the metadata server or STS).
+  The rule is additive: it lets the Jobs work in a namespace whose own policies deny egress.
 Egress of the trainer and vLLM stays open: they must reach the bucket and model storage,
 which may be anywhere.
 """
@@ -17,8 +21,8 @@ import ipaddress
 from typing import Any
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.controller import gateway, sandboxes, trainer, vllm
-from asyncgrpo.controller.common import metadata, name, selector, stamp
+from asyncgrpo.controller import bucketjob, gateway, sandboxes, trainer, vllm
+from asyncgrpo.controller.common import COMPONENT_LABEL, metadata, name, selector, stamp
 from asyncgrpo.wire import GATEWAY_PORT, PULLER_PORT, SANDBOX_PORT, VLLM_PORT
 
 #: The operator's pods (the chart's selector labels), in any namespace: it reads rank 0's
@@ -85,6 +89,33 @@ def _ingress_only(run: AsyncGRPORun, component: str, ports: list[int], peers: li
     return _policy(run, component, {"policyTypes": ["Ingress"], "ingress": rules + list(extra)})
 
 
+#: The component label of the NetworkPolicy of the bucket Jobs.
+BUCKET_COMPONENT = "bucket"
+
+
+def build_bucket_policy(run: AsyncGRPORun) -> dict[str, Any]:
+    store = run.spec.adapter_store
+    jobs = {k: v for k, v in selector(run, bucketjob.SETUP).items() if k != COMPONENT_LABEL}
+    if store.credentials_secret is None:
+        egress: list[dict[str, Any]] = [{}]
+    else:
+        dns = {"to": [KUBE_DNS_PEER], "ports": [{"protocol": "UDP", "port": 53},
+                                                {"protocol": "TCP", "port": 53}]}
+        anywhere = [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}},
+                    {"ipBlock": {"cidr": "::/0", "except": ["fe80::/10"]}}]
+        egress = [dns, {"to": anywhere, "ports": [
+            {"protocol": "TCP", "port": p} for p in bucketjob.endpoint_ports(store.endpoint)]}]
+    return stamp({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(run, BUCKET_COMPONENT),
+        "spec": {"podSelector": {"matchLabels": jobs, "matchExpressions": [
+                     {"key": COMPONENT_LABEL, "operator": "In",
+                      "values": [bucketjob.SETUP, bucketjob.CLEANUP]}]},
+                 "policyTypes": ["Ingress", "Egress"], "ingress": [], "egress": egress},
+    })
+
+
 def build_policies(run: AsyncGRPORun, resolved_hosts: list[str] | None = None,
                    scrapers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     scrapers = DEFAULT_SCRAPERS if scrapers is None else scrapers
@@ -104,6 +135,7 @@ def build_policies(run: AsyncGRPORun, resolved_hosts: list[str] | None = None,
         _policy(run, trainer.COMPONENT, trainer_rules),
         _ingress_only(run, vllm.COMPONENT, [VLLM_PORT], [trainer.COMPONENT], scrapers,
                       VLLM_PORT, pullers),
+        build_bucket_policy(run),
     ]
     if run.spec.sandboxes is not None:
         out.append(_ingress_only(run, gateway.COMPONENT, [GATEWAY_PORT], [trainer.COMPONENT],

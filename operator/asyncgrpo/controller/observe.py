@@ -36,10 +36,15 @@ class Child:
     problem_message: str = ""
     exit_codes: tuple[int, ...] = field(default_factory=tuple)
     restarts: int = 0
-    #: the last termination message of its first container (the trainer's final numbers)
+    #: the last termination message of its first container (the trainer's final numbers,
+    #: a bucket Job's outcome)
     termination_message: str = ""
     #: the pod's IP (the operator reads each vLLM replica's weights puller there)
     ip: str = ""
+    uid: str = ""
+    #: uid of its controller (a Job's pod: the Job), so an old Job's pod is never read as
+    #: the new one's
+    owner_uid: str = ""
 
 
 def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +74,16 @@ def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _job_fields(status: dict[str, Any]) -> dict[str, Any]:
+    """A Job as a phase (Complete, Failed or Running) and, when failed, its reason."""
+    for c in status.get("conditions") or []:
+        if c.get("status") == "True" and c.get("type") in ("Complete", "Failed"):
+            failed = c["type"] == "Failed"
+            return {"phase": c["type"], "problem": c.get("reason", "") if failed else "",
+                    "problem_message": (c.get("message") or "")[:300] if failed else ""}
+    return {"phase": "Running"}
+
+
 def summarize(body: dict[str, Any]) -> Child:
     meta = body.get("metadata") or {}
     kind = body.get("kind", "")
@@ -84,10 +99,15 @@ def summarize(body: dict[str, Any]) -> Child:
             "up_to_date": int(status.get("observedGeneration") or 0)
             >= int(meta.get("generation") or 0),
         }
+    elif kind == "Job":
+        fields = _job_fields(status)
+    owner = next((o.get("uid", "") for o in meta.get("ownerReferences") or []
+                  if o.get("controller")), "")
     return Child(kind=kind, name=meta.get("name", ""),
                  component=(meta.get("labels") or {}).get(COMPONENT_LABEL, ""),
                  hash=(meta.get("annotations") or {}).get(HASH_ANNOTATION),
-                 deleting=bool(meta.get("deletionTimestamp")), **fields)
+                 deleting=bool(meta.get("deletionTimestamp")), uid=meta.get("uid", ""),
+                 owner_uid=owner, **fields)
 
 
 def workload(children: list[Child], component: str) -> Child | None:

@@ -1,8 +1,8 @@
 """One reconcile of one run: compare what the indexes show with what the builders want,
 write only the difference, and compute the status.
 
-Order: validate -> bucket -> token Secret -> children (trainer gated on vLLM and the gateway)
--> sandbox pool -> progress -> status. At steady state every step finds nothing to do, so a
+Order: validate -> bucket (read the setup Job) -> token Secret -> children (trainer gated on
+vLLM, the gateway and the bucket) -> setup Job -> sandbox pool -> progress -> status. At steady state every step finds nothing to do, so a
 reconcile costs no API write; reads are the indexes (memory) and, for a running run, one
 HTTP scrape of the trainer and one of the gateway's demand.
 """
@@ -15,7 +15,6 @@ import logging
 import socket
 import time
 import urllib.request
-from concurrent.futures import wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -30,7 +29,7 @@ from asyncgrpo.api.validation import (
     immutable_errors,
     validate_run,
 )
-from asyncgrpo.controller import bucket, pool, progress, sandboxes, secret, served
+from asyncgrpo.controller import bucket, bucketjob, pool, progress, sandboxes, secret, served
 from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION
@@ -99,7 +98,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     terminal = old.get("phase") in TERMINAL
     stopped = run.spec.suspend or terminal
 
-    _check_bucket(rt, state, run, obs, str(meta.get("uid") or ""))
+    bucket_action = _check_bucket(rt, state, run, obs, str(meta.get("uid") or ""), children)
     trainer_up = (w := workload(children, "trainer")) is not None and w.replicas > 0
     deps_ready = _ready(children, "vllm") and (
         run.spec.sandboxes is None or _ready(children, "gateway"))
@@ -112,6 +111,8 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
                              resolved_hosts=_resolve_hosts(rt, state, run),
                              scrapers=rt.settings.scrapers)
     obs.apply_errors = _apply(rt, body, desired, children)
+    # after the children: the Job's pod runs as the run's ServiceAccount, created above
+    obs.apply_errors += _act_on_bucket_job(rt, body, bucket_action)
 
     spawned = 0
     if run.spec.sandboxes is None:   # the pool was removed from the spec: its pods go too
@@ -196,92 +197,105 @@ def _ttl_expired(run: AsyncGRPORun, status: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------- bucket and secrets
 
 
-def read_credentials(rt: Runtime, run: AsyncGRPORun) -> bucket.Credentials | None:
-    """The run's own S3 credentials from its Secret; None without credentialsSecret (then the
-    operator does not touch the bucket: it never lends its own identity to a run)."""
-    store = run.spec.adapter_store
-    if store.credentials_secret is None:
-        return None
-    found = rt.kube.get("Secret", run.metadata.namespace, store.credentials_secret.name)
-    return bucket.credentials_from_secret(found, store)
-
-
 def owner_of(run: AsyncGRPORun, uid: str) -> bucket.Owner:
     return bucket.Owner(run.metadata.namespace or "default", run.metadata.name, uid)
 
 
-#: BucketReady=Unknown for a run without credentialsSecret: nothing to check with.
-POD_IDENTITY = ("PodIdentity", ("no credentialsSecret: the run's pods use their "
-                                "ServiceAccount's identity; the operator never checks a "
-                                "bucket with its own"))
+def job_settings(rt: Runtime) -> bucketjob.JobSettings:
+    s = rt.settings
+    return bucketjob.JobSettings(image=s.bucket_job_image, pull_policy=s.bucket_job_pull_policy,
+                                 deadline_seconds=s.bucket_job_deadline_seconds,
+                                 allowed_endpoints=tuple(s.allowed_endpoints))
 
 
-def _bucket_task(rt: Runtime, run: AsyncGRPORun, uid: str, full: bool) -> bool | None:
-    """The S3 part of a check, run on a bucket worker: the endpoint policy, then the folder
-    setup (first check of a spec) or a light re-check (bucket head and marker). None: no
-    credentials, only the endpoint policy was checked."""
-    store = run.spec.adapter_store
-    bucket.check_endpoint(store, rt.settings.allowed_endpoints)
-    creds = read_credentials(rt, run)   # BucketError (SecretNotFound...) on a bad Secret
-    if creds is None:
-        return None
-    if full:
-        return bucket.setup_run_folder(store, creds, owner_of(run, uid))
-    return bucket.verify_run_folder(store, creds, owner_of(run, uid))
+def _find(children: list[Child], kind: str, name: str) -> Child | None:
+    return next((c for c in children if c.kind == kind and c.name == name), None)
+
+
+def _record_bucket(state: RunState, key: str, result: bucketjob.Outcome) -> None:
+    """Count one finished setup Job once (by its uid): success resets the backoff, a failure
+    doubles it (1 s up to BUCKET_RETRY_MAX_SECONDS)."""
+    if result.uid and result.uid == state.bucket_seen_job:
+        return
+    state.bucket_seen_job = result.uid
+    if result.state == "succeeded":
+        state.bucket_ok_for, state.bucket_failures = key, 0
+        state.bucket_error, state.bucket_failed_for = None, None
+        state.bucket_checked_at = time.monotonic()
+        return
+    state.bucket_failures = state.bucket_failures + 1 if state.bucket_failed_for == key else 1
+    state.bucket_ok_for = None
+    state.bucket_error = bucket.BucketError(result.reason, result.message)
+    state.bucket_failed_for = key
+    state.bucket_retry_at = time.monotonic() + min(2.0 ** (state.bucket_failures - 1),
+                                                   BUCKET_RETRY_MAX_SECONDS)
 
 
 def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation,
-                  uid: str) -> None:
-    """Set up the run folder once per adapterStore spec, re-check it every
-    `bucket_recheck_seconds`; while it fails, retry with a growing backoff (1 s doubling to
-    BUCKET_RETRY_MAX_SECONDS), at once when the adapterStore spec changes.
+                  uid: str, children: list[Child]) -> tuple[str, dict[str, Any]] | None:
+    """Read the setup Job (`bucketjob`) and say what to do with it: ("create", job),
+    ("delete", job) or None. The operator itself never talks to the bucket.
 
-    The S3 calls run on the runtime's bucket workers: this waits at most
-    `bucket_wait_seconds`, and only for the first check of a spec; otherwise it reports what
-    the last finished check found, so a silent endpoint never holds a handler thread.
+    One Job per spec of it (its hash: adapterStore, uid, image, allowlist). A Job that
+    succeeded is re-run every `bucket_recheck_seconds`; a failed one (or one whose pod cannot
+    start: a missing Secret) is reported, deleted, and run again after a growing backoff.
+    While a Job runs, the last finding for the same spec stands.
     """
-    key = run.spec.adapter_store.model_dump_json() + uid
+    store = run.spec.adapter_store
+    try:
+        # the admin's allowlist and literal metadata addresses, without a DNS query; the Job
+        # checks again, resolving names, from the run's own pod
+        bucket.check_endpoint(store, rt.settings.allowed_endpoints, resolve=False)
+        bucket.run_folder(store, owner_of(run, uid))
+    except bucket.BucketError as e:
+        obs.bucket_checked, obs.bucket_error = True, e
+        job = _find(children, "Job", bucketjob.job_name(run, bucketjob.SETUP))
+        return ("delete", {"metadata": {"name": job.name}}) if job and not job.deleting \
+            else None
+    desired = bucketjob.build_job(run, bucketjob.SETUP, uid, job_settings(rt))
+    key = desired["metadata"]["annotations"][HASH_ANNOTATION]
+    job = _find(children, "Job", desired["metadata"]["name"])
+    action: tuple[str, dict[str, Any]] | None = None
     now = time.monotonic()
-    if state.bucket_job is None:
-        due = (state.bucket_ok_for != key and state.bucket_failed_for != key) or (
-            state.bucket_failed_for == key and now >= state.bucket_retry_at) or (
-            state.bucket_ok_for == key
-            and now - state.bucket_checked_at >= rt.settings.bucket_recheck_seconds)
-        if due:
-            full = state.bucket_ok_for != key
-            state.bucket_job = (key, rt.bucket_pool.submit(_bucket_task, rt, run, uid, full))
-    if state.bucket_job is not None:
-        job_key, job = state.bucket_job
-        if job_key not in (state.bucket_ok_for, state.bucket_failed_for):
-            # only a first check is waited for (a healthy run starts at once); re-checks
-            # and retries of a failing bucket are picked up by a later tick
-            wait([job], timeout=rt.settings.bucket_wait_seconds)
-        if job.done():
-            state.bucket_job = None
-            try:
-                result = job.result()
-                state.bucket_ok_for, state.bucket_failures = job_key, 0
-                state.bucket_error, state.bucket_failed_for = None, None
-                state.bucket_checked_at = time.monotonic()
-                state.bucket_pod_identity = result is None
-                if result is True:
-                    log.info("created bucket %s for %s", run.spec.adapter_store.bucket,
-                             run.metadata.name)
-            except Exception as e:  # noqa: BLE001 - every failure is reported, none escapes
-                if not isinstance(e, bucket.BucketError):
-                    log.warning("bucket check of %s failed: %r", run.metadata.name, e)
-                    e = bucket.BucketError("BucketError", f"checking the bucket failed "
-                                           f"({type(e).__name__})")
-                state.bucket_failures = state.bucket_failures + 1 \
-                    if state.bucket_failed_for == job_key else 1
-                state.bucket_ok_for, state.bucket_error = None, e
-                state.bucket_failed_for = job_key
-                state.bucket_retry_at = time.monotonic() + min(
-                    2.0 ** (state.bucket_failures - 1), BUCKET_RETRY_MAX_SECONDS)
+    if job is None:
+        if state.bucket_failed_for != key or now >= state.bucket_retry_at:
+            action = ("create", desired)
+    elif job.deleting:
+        pass
+    elif job.hash != key:
+        action = ("delete", desired)   # another spec: a new Job once this one is gone
+    else:
+        result = bucketjob.outcome(job, [c for c in children if c.kind == "Pod"])
+        if result.state != "running":
+            _record_bucket(state, key, result)
+        if result.state == "failed" or (
+                result.state == "succeeded"
+                and now - state.bucket_checked_at >= rt.settings.bucket_recheck_seconds):
+            action = ("delete", desired)
     obs.bucket_checked = key in (state.bucket_ok_for, state.bucket_failed_for)
     obs.bucket_error = state.bucket_error if state.bucket_failed_for == key else None
-    if state.bucket_ok_for == key and state.bucket_pod_identity:
-        obs.bucket_note = POD_IDENTITY
+    return action
+
+
+def _act_on_bucket_job(rt: Runtime, owner: dict[str, Any],
+                       action: tuple[str, dict[str, Any]] | None) -> list[tuple[str, str]]:
+    """Create or delete the setup Job; a refused creation is reported like any child's."""
+    if action is None:
+        return []
+    verb, job = action
+    ns, job_name = owner["metadata"]["namespace"], job["metadata"]["name"]
+    try:
+        if verb == "create":
+            kopf.adopt(job, owner=owner)
+            rt.kube.create(job)
+        else:   # Background: the Job goes now, its pod after it (told apart by owner uid)
+            rt.kube.delete("Job", ns, job_name, propagation="Background")
+    except ApiException as e:
+        if e.status >= 500:
+            raise
+        reason, message = api_error(e)
+        return [(reason, f"Job {job_name}: {message}")]
+    return []
 
 
 def _ensure_secret(rt: Runtime, state: RunState, run: AsyncGRPORun,

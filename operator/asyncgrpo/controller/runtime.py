@@ -8,10 +8,10 @@ create-expectations are rebuilt from the API server's state, not carried over.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncgrpo import __version__
 from asyncgrpo.controller.metrics import OperatorMetrics
 from asyncgrpo.controller.pool import Expectations
 from asyncgrpo.controller.progress import Progress
@@ -75,13 +75,15 @@ class Settings:
     #: S3 endpoints (URLs or host names) runs may use; empty: any host except link-local and
     #: metadata addresses (Helm value adapterStore.allowedEndpoints).
     allowed_endpoints: list[str] = field(default_factory=list)
-    #: Threads for bucket setup and cleanup, off the handler path: a silent endpoint holds
-    #: one of these for a few seconds, never a kopf worker.
-    bucket_workers: int = 8
-    #: Most a handler waits for a bucket call before leaving it to the next tick.
-    bucket_wait_seconds: float = 0.5
-    #: Seconds between re-checks of a bucket that was fine (a deleted Secret, a revoked key).
-    bucket_recheck_seconds: float = 60.0
+    #: Image of the bucket setup and cleanup Jobs (`asyncgrpo bucket ...`): the operator's own
+    #: (Helm: image.*, or adapterStore.jobImage), the smallest image with boto3.
+    bucket_job_image: str = f"ghcr.io/asyncgrpo/operator:{__version__}"
+    bucket_job_pull_policy: str = "IfNotPresent"
+    #: A bucket Job's pod is stopped after this long (activeDeadlineSeconds).
+    bucket_job_deadline_seconds: int = 300
+    #: Seconds between re-runs of a setup Job that succeeded (a deleted Secret, a revoked key,
+    #: a lost marker become BucketReady=False); each re-run is one short pod.
+    bucket_recheck_seconds: float = 600.0
     #: A deleted run's bucket cleanup gives up after this long (Warning event CleanupAbandoned);
     #: the annotation asyncgrpo.dev/skip-bucket-cleanup: "true" gives up at once.
     cleanup_timeout_seconds: float = 600.0
@@ -93,15 +95,13 @@ class Settings:
 @dataclass
 class RunState:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    bucket_ok_for: str | None = None       # adapterStore spec last verified
+    bucket_ok_for: str | None = None       # setup Job (its spec hash) last succeeded
     bucket_error: Any = None
-    bucket_failed_for: str | None = None   # adapterStore spec of the last failed check
+    bucket_failed_for: str | None = None   # setup Job (its spec hash) last failed
     bucket_failures: int = 0
     bucket_retry_at: float = 0.0
     bucket_checked_at: float = 0.0         # when the last check succeeded (monotonic)
-    bucket_pod_identity: bool = False      # the last check had no credentials to use
-    bucket_job: tuple[str, Future] | None = None   # (key, check in flight)
-    cleanup_job: Future | None = None
+    bucket_seen_job: str = ""              # uid of the last setup Job whose outcome counted
     secret_ready: bool = False
     gateway_token: str | None = None
     excess_since: float | None = None
@@ -126,15 +126,6 @@ class Runtime:
     fence: Any = None
     runs: dict[tuple[str, str], RunState] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _bucket_pool: ThreadPoolExecutor | None = None
-
-    @property
-    def bucket_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._bucket_pool is None:
-                self._bucket_pool = ThreadPoolExecutor(self.settings.bucket_workers,
-                                                       thread_name_prefix="asyncgrpo-bucket")
-            return self._bucket_pool
 
     def run(self, key: tuple[str, str]) -> RunState:
         with self._lock:

@@ -38,9 +38,8 @@ class Observation:
     #: InvalidSpec, ImmutableFieldChanged or OverCap: why the spec is not applied
     spec_error_reason: str = "InvalidSpec"
     bucket_error: BucketError | None = None
+    #: the setup Job of the current spec has finished at least once (bucketjob)
     bucket_checked: bool = False
-    #: (reason, message) when the bucket is deliberately not checked (BucketReady Unknown)
-    bucket_note: tuple[str, str] | None = None
     children: list[Child] = field(default_factory=list)
     sandboxes: dict[str, int] = field(default_factory=dict)
     progress: Progress | None = None
@@ -138,16 +137,16 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
                                prev_bucket.get("message", "")))
             bucket_pending = ok is not True
         elif not obs.bucket_checked:
-            conds.append(_cond("BucketReady", None, "Checking", "bucket not checked yet"))
-        elif obs.bucket_note is not None:
-            conds.append(_cond("BucketReady", None, *obs.bucket_note))
+            conds.append(_cond("BucketReady", None, "Checking", "the bucket setup Job "
+                               "has not finished yet"))
         elif obs.bucket_error is not None:
             conds.append(_cond("BucketReady", False, obs.bucket_error.reason,
                                obs.bucket_error.message))
             degraded = (obs.bucket_error.reason, obs.bucket_error.message)
         else:
             conds.append(_cond("BucketReady", True, "BucketReady",
-                               f"bucket {spec.adapter_store.bucket!r} is reachable"))
+                               f"bucket {spec.adapter_store.bucket!r} is set up and the "
+                               "run folder is the run's"))
 
         rollout = _workload_condition("RolloutReady", obs.children, "vllm", "vLLM", stopped)
         conds.append(rollout)

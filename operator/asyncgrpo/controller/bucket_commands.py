@@ -1,0 +1,87 @@
+"""`asyncgrpo bucket setup|cleanup`: the container of a run's bucket Jobs (`bucketjob`).
+
+Runs in the run's own pod, never in the operator: it reads where the run folder is from the
+env the Job builder sets (`common.bucket_env`, the run's uid, createBucket, the admin's
+endpoint allowlist), the keys from the run's Secret (secretKeyRef env) or, without them, the
+pod's own cloud identity, and calls the one implementation in `controller.bucket`
+(`setup_run_folder`, `cleanup_run_folder`: the ownership-marker rules).
+
+Its outcome is its exit status and its termination message (`/dev/termination-log`, or
+$ASYNCGRPO_TERMINATION_LOG): `<Reason>: <message>` on failure, which the operator copies into
+BucketReady or the deletion's event, and a one-line summary on success. The message names the
+bucket and the S3 error code, never a credential or the endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+
+TERMINATION_ENV = "ASYNCGRPO_TERMINATION_LOG"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bucket", help="set up or empty the run's bucket folder (the operator's bucket Jobs)")
+    p.add_argument("action", choices=["setup", "cleanup"])
+    p.set_defaults(func=_main)
+
+
+def _store(env: Mapping[str, str]):
+    from asyncgrpo.api.v1alpha1 import AdapterStoreSpec
+    from asyncgrpo.controller.bucketjob import CREATE_ENV
+
+    spec = {"bucket": env["ASYNCGRPO_ADAPTER_BUCKET"],
+            "prefix": env.get("ASYNCGRPO_ADAPTER_PREFIX") or "asyncgrpo",
+            "region": env.get("ASYNCGRPO_ADAPTER_REGION") or "us-east-1",
+            "createBucket": env.get(CREATE_ENV, "true").lower() == "true"}
+    if env.get("ASYNCGRPO_ADAPTER_ENDPOINT"):
+        spec["endpoint"] = env["ASYNCGRPO_ADAPTER_ENDPOINT"]
+    return AdapterStoreSpec.model_validate(spec)
+
+
+def execute(action: str, env: Mapping[str, str]) -> tuple[int, str]:
+    """(exit status, termination message) of one action; never raises on bad input."""
+    from pydantic import ValidationError
+
+    from asyncgrpo.controller import bucket
+    from asyncgrpo.controller.bucketjob import ALLOWED_ENV, UID_ENV
+
+    try:
+        try:
+            store = _store(env)
+        except (KeyError, ValidationError) as e:
+            raise bucket.BucketError("InvalidSpec", f"the Job's bucket settings are "
+                                     f"incomplete or invalid ({type(e).__name__})") from None
+        owner = bucket.Owner(env.get("ASYNCGRPO_ADAPTER_NAMESPACE") or "default",
+                             env.get("ASYNCGRPO_ADAPTER_RUN", ""), env.get(UID_ENV, ""))
+        if not owner.uid:
+            raise bucket.BucketError("InvalidSpec", f"{UID_ENV} is not set")
+        allow = [a.strip() for a in env.get(ALLOWED_ENV, "").split(",") if a.strip()]
+        bucket.check_endpoint(store, allow)   # resolving names, from this pod
+        creds = bucket.credentials_from_env(env)
+        if action == "setup":
+            created = bucket.setup_run_folder(store, creds, owner)
+            folder = bucket.run_folder(store, owner)
+            return 0, (f"{'created bucket ' + repr(store.bucket) + ', ' if created else ''}"
+                       f"claimed s3://{store.bucket}/{folder}")
+        n = bucket.cleanup_run_folder(store, creds, owner)
+        return 0, f"deleted {n} objects of the run's folder"
+    except bucket.BucketError as e:
+        return 1, f"{e.reason}: {e.message}"
+    except Exception as e:  # noqa: BLE001 - the reason must reach the run's condition
+        return 1, f"BucketError: the bucket {action} failed ({type(e).__name__})"
+
+
+def _main(args: argparse.Namespace) -> int:
+    code, message = execute(args.action, os.environ)
+    path = os.environ.get(TERMINATION_ENV) or "/dev/termination-log"
+    try:
+        with open(path, "w") as f:
+            f.write(message)
+    except OSError:
+        pass   # not in a pod: stderr is all there is
+    print(message, file=sys.stderr if code else sys.stdout)
+    return code

@@ -1,0 +1,174 @@
+"""Bucket setup and cleanup as Jobs in the run's own namespace: the builders and the reading
+of their outcome. Pure: spec in, manifests out; Job and pod summaries in, outcome out.
+
+Why a Job (and not the trainer's init container, nor the operator itself):
+- the operator then holds no tenant data-plane credential and sends no tenant-chosen request
+  from its own network position (issue 9, docs/security.md): the Job's pod runs as the run's
+  own ServiceAccount (`<run>-workload`, the one the trainer and vLLM use), gets the run's
+  credentials Secret through `secretKeyRef` env (the kubelet resolves it, the operator never
+  reads it) and talks to the endpoint from the tenant's namespace;
+- one setup gates the trainer (and so every writer of the bucket) and gives one clear
+  condition, BucketReady, from one place; an init container would run once per trainer pod
+  and report only as a stuck pod;
+- cleanup has to run after the run's pods are gone, on deletion, which only a Job can.
+
+The container is the operator image (`Settings.bucket_job_image`): the smallest image with
+boto3 and the `asyncgrpo` command; it runs `asyncgrpo bucket setup|cleanup`, which writes
+`<Reason>: <message>` as its termination message on failure (and a one-line summary on
+success), so the reason reaches the run's condition unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun
+from asyncgrpo.controller import rbac
+from asyncgrpo.controller.common import (
+    bucket_env,
+    container_security,
+    metadata,
+    name,
+    pod_labels,
+    pod_security,
+    stamp,
+    tmp_volume,
+)
+from asyncgrpo.controller.observe import Child
+
+SETUP, CLEANUP = "bucket-setup", "bucket-cleanup"
+ACTIONS = {SETUP: "setup", CLEANUP: "cleanup"}
+TERMINATION_LOG = "/dev/termination-log"
+#: Variables the bucket command reads besides `common.bucket_env`.
+UID_ENV = "ASYNCGRPO_RUN_UID"
+CREATE_ENV = "ASYNCGRPO_ADAPTER_CREATE_BUCKET"
+ALLOWED_ENV = "ASYNCGRPO_ALLOWED_ENDPOINTS"
+#: Kubelet reasons of a container that cannot start because of its Secret reference, mapped
+#: to the condition reasons the operator used when it read the Secret itself.
+_CONFIG_ERRORS = ((re.compile(r"secret .* not found", re.IGNORECASE), "SecretNotFound"),
+                  (re.compile(r"couldn't find key", re.IGNORECASE), "SecretKeyMissing"))
+_IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
+_REASON = re.compile(r"^([A-Z][A-Za-z0-9]{1,63}): (.+)$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """What the operator's settings give every bucket Job."""
+
+    image: str
+    pull_policy: str = "IfNotPresent"
+    #: The Job's pod is killed after this long (a cleanup retried by the operator).
+    deadline_seconds: int = 300
+    allowed_endpoints: tuple[str, ...] = ()
+
+
+def job_name(run: AsyncGRPORun, component: str) -> str:
+    """`<run>-bucket-setup` / `<run>-bucket-cleanup`: with the longest run name (44) the
+    `job-name` label the Job controller sets is 59 characters, below 63."""
+    return name(run, component)
+
+
+def build_job(run: AsyncGRPORun, component: str, uid: str, js: JobSettings) -> dict[str, Any]:
+    """The setup or cleanup Job of a run. No retries of its own (`backoffLimit: 0`): the
+    operator reads each failure, reports it and decides when to run another."""
+    store = run.spec.adapter_store
+    env = bucket_env(run) + [
+        {"name": UID_ENV, "value": uid},
+        {"name": CREATE_ENV, "value": "true" if store.create_bucket else "false"},
+        {"name": ALLOWED_ENV, "value": ",".join(js.allowed_endpoints)},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    container = {
+        "name": "bucket",
+        "image": js.image,
+        "imagePullPolicy": js.pull_policy,
+        "command": ["asyncgrpo", "bucket", ACTIONS[component]],
+        "env": env,
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
+                      "limits": {"cpu": "500m", "memory": "256Mi"}},
+        "securityContext": container_security(),
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    pod = {
+        "metadata": {"labels": pod_labels(run, component)},
+        "spec": {
+            # the run's own identity: with no credentialsSecret, boto3 uses this account's
+            # cloud identity (IRSA's projected token, GKE's metadata server); no API token
+            "serviceAccountName": name(run, rbac.WORKLOAD),
+            "automountServiceAccountToken": False,
+            "restartPolicy": "Never",
+            "securityContext": pod_security(),
+            "containers": [container],
+            "volumes": [tmp_volume()],
+        },
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata(run, component, job_name(run, component)),
+        "spec": {"backoffLimit": 0, "activeDeadlineSeconds": js.deadline_seconds,
+                 "template": pod},
+    }
+    return stamp(job)
+
+
+def endpoint_ports(endpoint: str | None) -> list[int]:
+    import urllib.parse
+
+    if not endpoint:
+        return [443]
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        return [url.port or (443 if url.scheme == "https" else 80)]
+    except ValueError:
+        return [443]
+
+
+# ---------------------------------------------------------------- outcome
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one Job says: `state` is running, succeeded or failed; for a failure, the
+    reason (CamelCase) and message for the condition and the event."""
+
+    state: str
+    reason: str = ""
+    message: str = ""
+    uid: str = ""
+
+
+def parse_message(text: str, default_reason: str) -> tuple[str, str]:
+    """`Reason: message` as the bucket command writes it; anything else keeps the default."""
+    text = (text or "").strip()
+    m = _REASON.match(text)
+    if m:
+        return m.group(1), m.group(2).strip()[:1000]
+    return default_reason, (text or "the bucket Job failed without a message")[:1000]
+
+
+def outcome(job: Child, pods: list[Child]) -> Outcome:
+    """The outcome of `job` from its summary and its pods' (matched by owner uid)."""
+    mine = [p for p in pods if p.owner_uid and p.owner_uid == job.uid]
+    message = next((p.termination_message for p in mine if p.termination_message), "")
+    if job.phase == "Complete":
+        return Outcome("succeeded", "", message, job.uid)
+    if job.phase == "Failed":
+        reason, text = parse_message(message, "BucketJobFailed")
+        if not message and job.problem:   # DeadlineExceeded, BackoffLimitExceeded
+            reason, text = job.problem, job.problem_message or text
+        return Outcome("failed", reason, text, job.uid)
+    for p in mine:
+        if p.problem == "CreateContainerConfigError":
+            reason = next((r for rx, r in _CONFIG_ERRORS if rx.search(p.problem_message)),
+                          "SecretInvalid")
+            return Outcome("failed", reason, f"the bucket Job cannot start: "
+                           f"{p.problem_message}", job.uid)
+        if p.problem in _IMAGE_ERRORS:   # the Job would wait until its deadline
+            return Outcome("failed", p.problem, f"the bucket Job cannot start: "
+                           f"{p.problem_message}", job.uid)
+    return Outcome("running", uid=job.uid)

@@ -1,0 +1,152 @@
+"""A kubelet for the bucket Jobs' pods on the test cluster (which has no node).
+
+The test cluster runs the real Job controller: it creates the pod of each bucket Job and sets
+the Job's Complete or Failed condition from the pod's phase. Nothing runs the pod, so this
+does, as a kubelet would: it resolves the container's env (values, and `secretKeyRef` read
+from the API server with the test's admin client; a missing Secret or key becomes the
+kubelet's CreateContainerConfigError), runs the container's command (`asyncgrpo bucket ...`)
+as a local process with only that env, and writes the pod's status: phase, exit code and the
+termination message the command wrote.
+
+The process gets no credentials of this machine: without the Secret's keys it has only
+boto3's chain, which here finds nothing (no ~/.aws, instance metadata disabled), as a pod
+whose ServiceAccount has no cloud identity.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.controller.bucketjob import CLEANUP, SETUP
+from asyncgrpo.controller.kube import path, request
+
+SELECTOR = f"app.kubernetes.io/component in ({SETUP},{CLEANUP})"
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class BucketJobKubelet:
+    """Runs every bucket Job pod of the cluster, except in namespaces put on `hold`."""
+
+    def __init__(self, api_client, interval: float = 0.3, workers: int = 4):
+        self.api = api_client
+        self.interval = interval
+        self.held: set[str] = set()
+        self.ran: list[tuple[str, str, int, str]] = []   # (namespace, pod, exit, message)
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="job-kubelet")
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="job-kubelet")
+
+    def start(self) -> BucketJobKubelet:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def hold(self, namespace: str) -> None:
+        """Never run a pod of `namespace` (as if no node would take it)."""
+        self.held.add(namespace)
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                pods = request(self.api, "GET", "/api/v1/pods",
+                               query=[("labelSelector", SELECTOR)])["items"]
+            except Exception:  # noqa: BLE001, S112 - the API server restarting: try again
+                continue
+            for pod in pods:
+                meta = pod["metadata"]
+                if meta["uid"] in self._seen or meta.get("deletionTimestamp") \
+                        or meta["namespace"] in self.held \
+                        or (pod.get("status") or {}).get("phase", "Pending") != "Pending":
+                    continue
+                self._seen.add(meta["uid"])
+                self._pool.submit(self._run, pod)
+
+    def _secret_value(self, ns: str, ref: dict[str, Any]) -> str:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            secret = request(self.api, "GET", path("Secret", ns, ref["name"]))
+        except ApiException as e:
+            if e.status == 404:
+                raise LookupError(f'secret "{ref["name"]}" not found') from None
+            raise
+        data = secret.get("data") or {}
+        if ref["key"] not in data:
+            raise LookupError(f"couldn't find key {ref['key']} in Secret {ns}/{ref['name']}")
+        # the bytes as they are, as a kubelet passes them (non-UTF-8 stays non-UTF-8)
+        return base64.b64decode(data[ref["key"]]).decode("utf-8", "surrogateescape")
+
+    def _run(self, pod: dict[str, Any]) -> None:
+        import subprocess
+
+        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        container = pod["spec"]["containers"][0]
+        env: dict[str, str] = {}
+        try:
+            for e in container.get("env") or []:
+                if "value" in e:
+                    env[e["name"]] = e["value"]
+                elif "secretKeyRef" in (e.get("valueFrom") or {}):
+                    env[e["name"]] = self._secret_value(ns, e["valueFrom"]["secretKeyRef"])
+        except LookupError as err:
+            self._status(ns, name, container["name"], waiting=str(err))
+            return
+        with tempfile.TemporaryDirectory(prefix="job-kubelet-") as tmp:
+            log = os.path.join(tmp, "termination-log")
+            env.update({"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                        "PYTHONPATH": os.pathsep.join(sys.path),
+                        "HOME": tmp, "AWS_EC2_METADATA_DISABLED": "true",
+                        "AWS_CONFIG_FILE": os.devnull,
+                        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+                        "ASYNCGRPO_TERMINATION_LOG": log})
+            cmd = container["command"] + (container.get("args") or [])
+            assert cmd[0] == "asyncgrpo", cmd   # the image's entry point
+            started = _now()
+            try:
+                proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", *cmd[1:]],
+                                      env=env, capture_output=True, timeout=120, check=False)
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = 137
+            message = Path(log).read_text() if os.path.exists(log) else ""
+        self.ran.append((ns, name, code, message))
+        self._status(ns, name, container["name"], exit_code=code, message=message,
+                     started=started)
+
+    def _status(self, ns: str, name: str, container: str, *, waiting: str | None = None,
+                exit_code: int = 0, message: str = "", started: str = "") -> None:
+        if waiting is not None:
+            state = {"waiting": {"reason": "CreateContainerConfigError", "message": waiting}}
+            phase = "Pending"
+        else:
+            state = {"terminated": {"exitCode": exit_code, "message": message,
+                                    "reason": "Completed" if exit_code == 0 else "Error",
+                                    "startedAt": started, "finishedAt": _now()}}
+            phase = "Succeeded" if exit_code == 0 else "Failed"
+        body = {"status": {"phase": phase, "startTime": started or _now(),
+                           "containerStatuses": [{"name": container, "ready": False,
+                                                  "restartCount": 0, "image": "x",
+                                                  "imageID": "", "state": state}]}}
+        try:
+            request(self.api, "PATCH", path("Pod", ns, name) + "/status", body,
+                    "application/merge-patch+json")
+        except Exception:  # noqa: BLE001, S110 - the pod went with its Job
+            pass

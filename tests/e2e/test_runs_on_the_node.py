@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from asyncgrpo.testing.prometheus import missing_data
+from asyncgrpo.testing.prometheus import missing_data, panel_queries, rule_queries
 
 from .conftest import OPERATOR_DEPLOYMENT, OPERATOR_NAMESPACE, SANDBOX_IMAGE, wait_for
 from .test_tiny_lora_run import prompts_configmap, tiny_run
@@ -219,3 +219,61 @@ def test_a_run_asking_for_a_gpu_says_why_it_waits(e2e_stack):
     messages = [e["message"] for e in json.loads(events)["items"]]
     assert any("nvidia.com/gpu" in m for m in messages), messages
     stack.kubectl("-n", ns, "delete", "agr", "wants-gpu", "--wait=true", timeout=180)
+
+
+def published_weights(stack, bucket: str) -> list[int]:
+    """Full fine-tuning versions whose manifest is in the bucket."""
+    s3 = stack.s3.client()
+    versions = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", []):
+            parts = o["Key"].split("/")
+            if "weights" in parts and parts[-1] == "manifest.json":
+                versions.append(int(parts[parts.index("weights") + 1].lstrip("v")))
+    return sorted(versions)
+
+
+def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack):
+    """Weights, not adapters: anchors and deltas through the bucket, a puller sidecar in each
+    of two vLLM pods swaps every version in; the run's status shows what the replicas serve."""
+    stack, ns = e2e_stack, "team-full"
+    stack.namespace(ns)
+    run = tiny_run("whole", ns, stack.s3.endpoint, steps=4)
+    model = run["spec"]["model"]
+    del model["lora"]
+    model |= {"finetuning": "full", "full": {"anchorInterval": 2, "localDisk": "1Gi"}}
+    rollout = run["spec"]["rollout"]
+    rollout["replicas"] = 2
+    for key in ("maxLoras", "maxLoraRank"):
+        del rollout[key]
+    stack.apply(prompts_configmap(ns), run)
+
+    seen: list[dict] = []       # status.servedWeights over the run
+    moments: list[float] = []   # when both replicas served the newest version
+
+    def finished_watching_replicas():
+        s = status_of(stack, "whole", ns)
+        served = s.get("servedWeights")
+        if served and s.get("phase") == "Running":
+            seen.append(served)
+            if served["replicas"] == 2 and served["oldest"] == served["newest"] >= 2:
+                moments.append(time.time())
+        return s if s.get("phase") in ("Succeeded", "Failed") else None
+
+    status = wait_for("whole finished", finished_watching_replicas, timeout=1200, interval=3,
+                      on_timeout=lambda: stack.describe(ns)
+                      + stack.logs(ns, "app.kubernetes.io/component=vllm"))
+    print(f"\nE2E full fine-tuning: servedWeights seen {seen[-3:]}, status "
+          f"{json.dumps({k: status.get(k) for k in ('step', 'policyVersion', 'phase')})}")
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    versions = published_weights(stack, "e2e-whole")
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 4, versions
+    # both replicas caught up with a version past the first anchor, together, mid-run
+    assert moments, f"never saw both replicas on the same version >= 2: {seen}"
+    assert all(s["oldest"] <= s["newest"] <= versions[-1] for s in seen), seen
+    # and Prometheus saw it: the served-weights panel and gauges have data
+    weights_checks = [c for c in panel_queries() + rule_queries() if "weights" in c.components]
+    assert weights_checks
+    empty, _ = missing_data(stack.prometheus, {"operator", "weights"}, weights_checks,
+                            at=moments[-1])
+    assert not empty, [c.source for c in empty]

@@ -100,6 +100,10 @@ def test_tiny_lora_run_trains_to_the_end_through_the_operators_pods(e2e_stack):
     assert status["policyVersion"] >= 4
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["AdapterInSync"]["status"] == "True", conditions
+    # the bucket was set up by a Job in the run's namespace, not by the operator
+    assert conditions["BucketReady"]["status"] == "True", conditions
+    setup = stack.get("job", "tiny-bucket-setup", ns)
+    assert setup and setup["status"].get("succeeded") == 1, setup
 
     # the adapters reached the bucket, versioned, and vLLM served them from there
     keys = [o["Key"] for o in stack.s3.client().list_objects_v2(
@@ -113,8 +117,12 @@ def test_tiny_lora_run_trains_to_the_end_through_the_operators_pods(e2e_stack):
     wait_for("the run deleted by its TTL", lambda: stack.get("agr", "tiny", ns) is None,
              timeout=180)
     wait_for("children gone", lambda: not stack.kubectl(
-        "-n", ns, "get", "statefulset,deployment,pods", "-o", "name", check=False).strip(),
+        "-n", ns, "get", "statefulset,deployment,pods,jobs", "-o", "name", check=False).strip(),
         timeout=180)
+    # deletionPolicy Delete: the cleanup Job emptied the run's folder, and only that
+    left = [o["Key"] for o in stack.s3.client().list_objects_v2(
+        Bucket="e2e-tiny").get("Contents", [])]
+    assert not [k for k in left if k.startswith(f"asyncgrpo/{ns}/tiny/")], left
     total_s = time.monotonic() - started
     print(f"\nE2E tiny LoRA: first step after {first_step_s:.0f} s, 4 steps and TTL deletion "
           f"in {total_s:.0f} s; throughput {status.get('throughput')}; "

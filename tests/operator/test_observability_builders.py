@@ -85,3 +85,14 @@ def test_report_to_refuses_what_trl_would_not_take(fields, path):
     doc["spec"]["trainer"].update(fields)
     _, errors = validate_run(doc)
     assert any(e.path.startswith(path) for e in errors), errors
+
+
+def test_reconcile_results_are_exported_before_the_first_error():
+    """A counter series born with its first increment hides that increment from rate():
+    the alert's series exist at 0 from the operator's start."""
+    from asyncgrpo.controller.metrics import OperatorMetrics
+
+    m = OperatorMetrics()
+    for result in ("ok", "error"):
+        assert m.registry.get_sample_value("asyncgrpo_operator_reconciles_total",
+                                           {"result": result}) == 0.0

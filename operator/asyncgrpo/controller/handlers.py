@@ -181,8 +181,11 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: An
     try:
         out = reconcile.reconcile(rt, dict(body), _children(kwargs, key))
     except Exception as e:
+        rt.metrics.reconciles.labels("error").inc()
         rt.metrics.reconcile_errors.labels(type(e).__name__).inc()
         raise
+    else:
+        rt.metrics.reconciles.labels("ok").inc()
     finally:
         state.lock.release()
         rt.metrics.reconcile_seconds.observe(time.perf_counter() - t0)

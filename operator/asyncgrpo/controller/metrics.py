@@ -39,6 +39,13 @@ class OperatorMetrics:
         self.reconcile_seconds = Histogram(
             "asyncgrpo_operator_reconcile_seconds", "Time of one reconcile of one run.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        # by result, both exported from the start: rate() sees the first error (a series
+        # born with it would hide that increase); the alert reads this one
+        self.reconciles = Counter("asyncgrpo_operator_reconciles_total",
+                                  "Reconciles of one run, by result (ok, error).", ["result"],
+                                  registry=r)
+        for result in ("ok", "error"):
+            self.reconciles.labels(result)
         self.reconcile_errors = Counter("asyncgrpo_operator_reconcile_errors_total",
                                         "Reconciles that raised, by exception type.",
                                         ["error"], registry=r)

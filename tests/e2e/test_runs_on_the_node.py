@@ -242,6 +242,7 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
     model = run["spec"]["model"]
     del model["lora"]
     model |= {"finetuning": "full", "full": {"anchorInterval": 2, "localDisk": "1Gi"}}
+    run["spec"]["adapterStore"]["retention"] = 100  # keep every version: the test counts them
     rollout = run["spec"]["rollout"]
     rollout["replicas"] = 2
     for key in ("maxLoras", "maxLoraRank"):

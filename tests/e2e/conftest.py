@@ -205,7 +205,8 @@ def _prometheus(whole, workdir: Path):
         else:  # Debian's build: the pod role's targets and labels over HTTP SD
             sd = running.enter_context(PodDiscovery(whole.cluster.server, ADMIN_TOKEN))
             job = p.http_sd_job(sd.url)
-        rules = p.rules_file(workdir / "rules.yaml")
+        # alerts fire without their `for:` hold, so a forced fault shows within a test
+        rules = p.rules_file(workdir / "rules.yaml", hold="0s")
         yield running.enter_context(p.PrometheusServer(
             workdir / "prometheus", [job], rule_files=[rules], scrape_interval="2s",
             evaluation_interval="2s"))

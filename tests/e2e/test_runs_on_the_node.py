@@ -7,6 +7,7 @@ on-call engineer would; the pods run the project's images.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -121,6 +122,11 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
     empty, skipped = missing_data(prom, {"operator", "trainer", "gateway", "vllm"},
                                   at=moments[-1])
     assert not empty, "no data for:\n" + "\n".join(f"{c.source}: {c.expr}" for c in empty)
+    if out := os.environ.get("ASYNCGRPO_E2E_REPORT_DIR"):  # pictures for the docs
+        from asyncgrpo.cli import main as cli
+
+        assert cli(["report", "agents", "--namespace", ns, "--prometheus", prom.url,
+                    "--since", "15m", "--out", out]) == 0
     # left out: only what sandbox pods (not scraped) or full fine-tuning's pullers feed
     assert all(c.components & {"sandbox", "weights"} for c in skipped), \
         [c.source for c in skipped]
@@ -278,3 +284,29 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
     empty, _ = missing_data(stack.prometheus, {"operator", "weights"}, weights_checks,
                             at=moments[-1])
     assert not empty, [c.source for c in empty]
+
+
+def test_a_failing_sandbox_pool_fires_its_alert(e2e_stack):
+    """A forced fault seen the way on-call sees it: sandbox pods that cannot start are
+    counted failed by the operator, and Prometheus fires AsyncGRPOSandboxesFailing for that
+    run (the e2e loads the chart's rules with their `for:` hold at 0)."""
+    stack, ns = e2e_stack, "team-broken"
+    stack.namespace(ns)
+    run = tiny_run("broken", ns, stack.s3.endpoint, steps=2)
+    run["spec"]["rollout"]["gpusPerReplica"] = 1   # vLLM waits for a GPU: nothing else runs
+    run["spec"]["sandboxes"] = {"image": "asyncgrpo.local/no-such-sandbox:1", "minWarm": 1,
+                                "max": 1, "hardCap": 2}
+    stack.apply(prompts_configmap(ns), run)
+
+    def firing():
+        return [a for a in stack.prometheus.alerts()
+                if a["labels"].get("alertname") == "AsyncGRPOSandboxesFailing"
+                and a["labels"].get("run") == "broken" and a["state"] == "firing"]
+
+    alerts = wait_for("AsyncGRPOSandboxesFailing firing for the run", firing, timeout=300,
+                      on_timeout=lambda: stack.describe(ns))
+    assert alerts[0]["labels"]["namespace"] == ns, alerts
+    assert not [a for a in stack.prometheus.alerts()
+                if a["labels"].get("alertname") == "AsyncGRPOSandboxesFailing"
+                and a["labels"].get("run") not in ("broken", None)], "another run blamed"
+    stack.kubectl("-n", ns, "delete", "agr", "broken", "--wait=true", timeout=180)

@@ -228,3 +228,16 @@ def test_a_finished_trainer_reports_its_last_step_through_its_termination_messag
     assert (final.step, final.policy_version) == (4, 5)
     assert progress.from_termination_message("Error: something else") is None
     assert progress.from_termination_message('{"step": "4"}') is None
+
+
+def test_an_image_the_node_may_not_pull_is_named():
+    """imagePullPolicy: Never and the image missing on the node (ErrImageNeverPull): the
+    user gets the kubelet's reason, not a run that silently waits."""
+    pod = summarize({"kind": "Pod", "metadata": {"name": "r-vllm-x", "labels": {
+        "app.kubernetes.io/component": "vllm"}}, "status": {"phase": "Pending",
+        "containerStatuses": [{"restartCount": 0, "state": {"waiting": {
+            "reason": "ErrImageNeverPull", "message": "image is not present"}}}]}})
+    obs = Observation(generation=1, bucket_checked=True, children=[
+        workload("vllm", 0, 1), workload("trainer", 0, kind="StatefulSet"), pod])
+    c = conds(compute(SPEC, obs, {}, "T")[0])
+    assert c["RolloutReady"]["reason"] == "ErrImageNeverPull"

@@ -14,7 +14,8 @@ from typing import Any
 from asyncgrpo.controller.common import COMPONENT_LABEL, HASH_ANNOTATION
 
 #: Container waiting reasons a user must act on (not transient start-up states).
-STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull",
+                           "InvalidImageName",
                            "CrashLoopBackOff", "CreateContainerConfigError",
                            "CreateContainerError", "RunContainerError"})
 

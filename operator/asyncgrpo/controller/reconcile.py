@@ -33,7 +33,7 @@ from asyncgrpo.controller import bucket, bucketjob, pool, progress, sandboxes, s
 from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION
-from asyncgrpo.controller.observe import Child, workload
+from asyncgrpo.controller.observe import STUCK_REASONS, Child, workload
 from asyncgrpo.controller.runtime import RunState, Runtime
 from asyncgrpo.controller.status import TERMINAL, Observation, Transition, compute
 
@@ -416,9 +416,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     key = f"{ns}/{name}"
     current = sandboxes.current_hash(run)
     pods = [pool.PodView(name=c.name, phase=c.phase, ready=c.ready,
-                         failed=c.phase == "Failed" or c.problem in (
-                             "CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff",
-                             "InvalidImageName", "CreateContainerConfigError"),
+                         failed=c.phase == "Failed" or c.problem in STUCK_REASONS,
                          unschedulable=c.unschedulable, deleting=c.deleting,
                          outdated=c.hash != current)
             for c in children if c.kind == "Pod" and c.component == sandboxes.COMPONENT]

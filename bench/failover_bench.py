@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,16 +41,12 @@ sys.path.insert(0, str(REPO / "operator"))
 
 from asyncgrpo.controller.kube import path, request
 from asyncgrpo.testing.cluster import TestCluster
+from asyncgrpo.testing.net import free_port
+from asyncgrpo.testing.waiting import wait_for
 
 NS = "bench"
 RUN = "failover"
 SELECTOR = f"asyncgrpo.dev/run={RUN},app.kubernetes.io/component=sandbox"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:
@@ -83,16 +78,6 @@ class Replica:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=60)
         self.log.close()
-
-
-def wait(fn, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(interval)
-    raise SystemExit(f"timed out after {timeout}s waiting for {what}")
 
 
 def sample(pods, most: list[int], done: threading.Event) -> None:
@@ -150,9 +135,9 @@ def main() -> int:
 
         log = work / "operators.log"
         replicas["a"] = Replica("a", cluster.kubeconfig, args, log)
-        wait(lambda: holder() == "a", 60, "a leads")
+        wait_for(lambda: holder() == "a", 60, 0.05, "a leads")
         replicas["b"] = Replica("b", cluster.kubeconfig, args, log)
-        wait(replicas["b"].up, 60, "b up")
+        wait_for(replicas["b"].up, 60, 0.05, "b up")
 
         docs = list(yaml.safe_load_all((REPO / "examples/multi-turn-sandboxes.yaml").read_text()))
         run = next(d for d in docs if d["kind"] == "AsyncGRPORun")
@@ -165,7 +150,7 @@ def main() -> int:
         run["spec"]["adapterStore"].update({"endpoint": f"http://127.0.0.1:{s3_port}",
                                             "credentialsSecret": {"name": "s3"}})
         request(api, "POST", path("AsyncGRPORun", NS), run)
-        wait(lambda: pods() == desired, 120, "the first pool")
+        wait_for(lambda: pods() == desired, 120, 0.05, "the first pool")
 
         bound = args.lease_duration + args.retry_period + 10
         rounds: list[dict] = []
@@ -182,9 +167,9 @@ def main() -> int:
             request(api, "PATCH", path("AsyncGRPORun", NS, RUN),
                     {"spec": {"sandboxes": {"minWarm": desired}}},
                     content_type="application/merge-patch+json")
-            wait(lambda s=standby: holder() == s, 120, "lease handover")
+            wait_for(lambda s=standby: holder() == s, 120, 0.05, "lease handover")
             handover = time.monotonic() - t0
-            wait(lambda d=desired: pods() >= d, 120, "the new pool")
+            wait_for(lambda d=desired: pods() >= d, 120, 0.05, "the new pool")
             takeover = time.monotonic() - t0
             time.sleep(3 * args.resync)           # settle: would anything more appear?
             done.set()
@@ -195,7 +180,7 @@ def main() -> int:
                            "over": max(0, most[0] - desired), "under": max(0, desired - final)})
             print(json.dumps(rounds[-1]), flush=True)
             replicas[leader] = Replica(leader, cluster.kubeconfig, args, log)
-            wait(replicas[leader].up, 60, f"{leader} back as standby")
+            wait_for(replicas[leader].up, 60, 0.05, f"{leader} back as standby")
             time.sleep(args.retry_period)
 
         print(f"\nlease {args.lease_duration}s / renew {args.renew_deadline}s / retry "

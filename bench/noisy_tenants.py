@@ -44,20 +44,13 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "operator"))
-sys.path.insert(0, str(REPO))
-
-from tests.operator.helpers import Api, component, kubelet
 
 from asyncgrpo.controller.kube import path, request
 from asyncgrpo.testing.cluster import TestCluster
+from asyncgrpo.testing.kube import Api, component, kubelet
+from asyncgrpo.testing.net import free_port
 
 HEALTHY, SILENT = 5, 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def threads_of(pid: int) -> int:

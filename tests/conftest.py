@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,23 @@ def s3_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, request):
+    """A fresh bucket on the session's S3 server, named after the test's folder."""
+    folder = request.node.path.parent.name
+    name = f"{folder}-{uuid.uuid4().hex[:10]}"
+    s3_server.client().create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The moto server's dummy credentials in the environment, where boto3's chain finds them."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return s3_server.env()
 
 
 # ---------------------------------------------------------------- the real test cluster

@@ -1,12 +1,11 @@
-"""Fixtures of the adapter tests: a tiny base checkpoint, random adapters, a fresh store.
+"""Fixtures of the adapter tests: a tiny base checkpoint, random adapters, an `AdapterStore` on
+the shared `bucket` (tests/conftest.py).
 
 The shared real vLLM server fixture lives in tests/vllm_server.py and is imported here so
 these tests can use it; other test folders import it the same way (one server per session).
 """
 
 from __future__ import annotations
-
-import uuid
 
 import pytest
 
@@ -32,21 +31,6 @@ def adapters(tiny_base, tmp_path_factory):
         save_random_adapter(tiny_base, root / f"v{v}", seed=v)
         out[v] = root / f"v{v}"
     return out
-
-
-@pytest.fixture
-def bucket(s3_server):
-    name = f"adapters-{uuid.uuid4().hex[:10]}"
-    s3_server.client().create_bucket(Bucket=name)
-    return name
-
-
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    """The moto server's dummy credentials in the environment, where boto3's chain finds them."""
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    return s3_server.env()
 
 
 @pytest.fixture

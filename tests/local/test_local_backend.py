@@ -86,6 +86,54 @@ def test_two_trainer_pods_train_together(tmp_path):
     assert "metrics on :" in node1 and "Traceback" not in node1
 
 
+def _setup_backend(tmp_path, endpoint: str, name: str = "local-tiny"):
+    from asyncgrpo.api import load_run
+    from asyncgrpo.local.backend import LocalBackend
+
+    run = load_run(EXAMPLE)
+    run = run.model_copy(update={
+        "metadata": run.metadata.model_copy(update={"name": name}),
+        "spec": run.spec.model_copy(update={"adapter_store": run.spec.adapter_store.model_copy(
+            update={"endpoint": endpoint, "bucket": "setup-test"})})})
+    return LocalBackend(run, tmp_path / name, say=lambda _: None)
+
+
+def test_the_bucket_is_set_up_by_the_jobs_command_with_its_marker(tmp_path, s3_server,
+                                                                  monkeypatch):
+    """The local backend runs `asyncgrpo bucket setup` from the setup Job's pod, as a
+    cluster does: the bucket is created and the folder claimed with the ownership marker; a
+    second local run of the same run reclaims it; a folder another run owns stops the run
+    with the command's reason."""
+    from asyncgrpo.api import layout
+    from asyncgrpo.local.backend import LocalRunError
+    from asyncgrpo.local.placement import local_uid
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+
+    def setup(backend):
+        backend.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            backend._s3()
+            pods, procs = backend._processes()
+            backend._setup_bucket(pods[0], procs[pods[0].name])
+        finally:
+            backend.stop()
+
+    first = _setup_backend(tmp_path / "a", s3_server.endpoint)
+    setup(first)
+    marker = layout.run_folder("asyncgrpo", "default", "local-tiny") + layout.OWNER_MARKER
+    body = json.loads(s3_server.client().get_object(Bucket="setup-test", Key=marker)["Body"]
+                      .read())
+    assert body["uid"] == local_uid(first.run) and body["name"] == "local-tiny"
+    setup(_setup_backend(tmp_path / "b", s3_server.endpoint))   # the same run: its own folder
+
+    s3_server.client().put_object(Bucket="setup-test", Key=layout.run_folder(
+        "asyncgrpo", "default", "taken") + layout.OWNER_MARKER, Body=b'{"uid": "another"}')
+    with pytest.raises(LocalRunError, match="bucket setup failed: FolderOwnedByAnotherRun"):
+        setup(_setup_backend(tmp_path / "c", s3_server.endpoint, name="taken"))
+
+
 def test_local_run_refuses_a_run_without_endpoint(tmp_path):
     result, _ = _local_run(tmp_path, mutate=lambda d: d["spec"]["adapterStore"].pop("endpoint"))
     assert result.returncode == 1

@@ -282,3 +282,30 @@ def test_servers_without_a_host_flag_bind_the_pods_address(monkeypatch):
         assert node._server.server_address[0] == "127.77.0.1"
     finally:
         node.close()
+
+
+def test_the_bucket_setup_jobs_pod_runs_the_clusters_command(tmp_path):
+    """Locally the bucket is set up by the pod of the run's bucket setup Job, translated like
+    every other pod: the command a cluster runs, the run's own (stable) uid, its termination
+    message in a file the backend reads, HOME on its /tmp emptyDir."""
+    from asyncgrpo.controller import bucketjob
+    from asyncgrpo.local.placement import bucket_setup_pod, local_uid, termination_log
+    from asyncgrpo.wire import TERMINATION_LOG_ENV
+
+    run = load_run(REPO / "examples" / "local-tiny.yaml")
+    setup = bucket_setup_pod(run)
+    pods = [setup, *run_pods(run, 0)]
+    placement = build_placement(run, pods, tmp_path, s3_credentials=CREDS)
+    lp = translate(setup.name, setup.spec["containers"][0], placement)
+    assert setup.component == bucketjob.SETUP and setup.deadline_s > 0
+    assert lp.argv == ["asyncgrpo", "bucket", "setup"]
+    assert lp.env[bucketjob.UID_ENV] == local_uid(run) == local_uid(load_run(
+        REPO / "examples" / "local-tiny.yaml"))
+    assert lp.env[TERMINATION_LOG_ENV] == str(termination_log(tmp_path, setup))
+    assert lp.env["HOME"] == placement.volumes[setup.name]["tmp"]
+    assert lp.env["AWS_ACCESS_KEY_ID"] == "id"
+    assert lp.env["ASYNCGRPO_ADAPTER_ENDPOINT"] == run.spec.adapter_store.endpoint
+    assert lp.ready_url is None   # a Job's pod is run to its end, not probed
+    # another run's uid differs: a local run never takes another's folder
+    other = run.model_copy(update={"metadata": run.metadata.model_copy(update={"name": "b"})})
+    assert local_uid(other) != local_uid(run)

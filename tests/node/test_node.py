@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 
 import pytest
 
 from asyncgrpo.testing.node import BUSYBOX_IMAGE, NODE_NAME
+from asyncgrpo.testing.waiting import wait_for
+
+#: a pod on the real node takes seconds to start: poll for up to this long
+NODE_TIMEOUT = 120.0
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 
@@ -29,17 +32,6 @@ def kubectl(whole, *args: str, check: bool = True, input: str | None = None) -> 
 def apply(whole, *objs: dict) -> None:
     kubectl(whole, "apply", "-f", "-",
             input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}))
-
-
-def wait_for(what, fn, timeout: float = 120.0, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def pod(name: str, ns: str, command: list[str], **spec) -> dict:
@@ -81,9 +73,10 @@ def test_pod_serves_a_service_by_dns_name_and_logs_and_exec_work(kube_node):
            "spec": {"selector": {"app": "web"},
                     "ports": [{"port": 80, "targetPort": "http", "protocol": "TCP"}]}}
     apply(kube_node, web, svc)
-    wait_for("web Ready", lambda: kubectl(
+    wait_for(lambda: kubectl(
         kube_node, "-n", ns, "get", "pod", "web", "-o",
-        "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False) == "True")
+        "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False) == "True",
+        NODE_TIMEOUT, 0.5, "web Ready")
 
     # the pod's IP answers from the host, as on a node
     ip = kubectl(kube_node, "-n", ns, "get", "pod", "web", "-o", "jsonpath={.status.podIP}")
@@ -97,8 +90,9 @@ def test_pod_serves_a_service_by_dns_name_and_logs_and_exec_work(kube_node):
         client = pod(f"client-{i}", ns, ["/bin/busybox", "wget", "-q", "-O-", f"http://{host}/"],
                      restartPolicy="Never")
         apply(kube_node, client)
-        assert wait_for(f"client-{i} done", lambda i=i: phase(kube_node, ns, f"client-{i}")
-                        in ("Succeeded", "Failed") and phase(kube_node, ns, f"client-{i}"))\
+        assert wait_for(lambda i=i: phase(kube_node, ns, f"client-{i}")
+                        in ("Succeeded", "Failed") and phase(kube_node, ns, f"client-{i}"),
+                        NODE_TIMEOUT, 0.5, f"client-{i} done")\
             == "Succeeded", kubectl(kube_node, "-n", ns, "logs", f"client-{i}", check=False)
         assert kubectl(kube_node, "-n", ns, "logs", f"client-{i}") == "asyncgrpo node\n"
 
@@ -116,7 +110,8 @@ def test_pods_cannot_reach_outside_the_node(kube_node):
     apply(kube_node, pod("egress", ns, ["/bin/busybox", "sh", "-c",
                                         "nc -w 3 203.0.113.7 80 </dev/null 2>&1; echo rc=$?"],
                          restartPolicy="Never"))
-    wait_for("egress done", lambda: phase(kube_node, ns, "egress") in ("Succeeded", "Failed"))
+    wait_for(lambda: phase(kube_node, ns, "egress") in ("Succeeded", "Failed"), NODE_TIMEOUT, 0.5,
+             "egress done")
     logs = kubectl(kube_node, "-n", ns, "logs", "egress")
     assert "rc=1" in logs and "network is unreachable" in logs.lower(), logs
     kubectl(kube_node, "delete", "namespace", ns, "--wait=false")
@@ -135,7 +130,7 @@ def test_a_pod_asking_for_a_gpu_stays_pending_with_the_schedulers_reason(kube_no
                 return c["message"]
         return None
 
-    message = wait_for("PodScheduled=False", unschedulable)
+    message = wait_for(unschedulable, NODE_TIMEOUT, 0.5, "PodScheduled=False")
     assert "nvidia.com/gpu" in message
     assert phase(kube_node, ns, "gpu") == "Pending"
     kubectl(kube_node, "delete", "namespace", ns, "--wait=false")

@@ -55,7 +55,7 @@ def test_the_charts_scrape_job_discovers_and_relabels_the_operators_pods(kube_cl
         for pod in ("math-trainer-0", sandbox["metadata"]["name"]):
             status = pod_status()
             status["status"]["podIP"] = "127.0.0.1"
-            api.patch("Pod", ns, pod, status, "/status")
+            api.merge_patch("Pod", ns, pod, status, "/status")
 
         token = tmp_path / "token"
         token.write_text(ADMIN_TOKEN)

@@ -49,7 +49,7 @@ def test_suspend_scales_to_zero_keeps_the_bucket_and_resume_restarts(api, ns, s3
     s3_server.client().put_object(Bucket="suspend-bucket", Key="asyncgrpo/pause/ckpt/step-50",
                                   Body=b"x")
 
-    api.patch("AsyncGRPORun", ns, "pause", {"spec": {"suspend": True}})
+    api.merge_patch("AsyncGRPORun", ns, "pause", {"spec": {"suspend": True}})
     wait_for(lambda: api.run(ns, "pause")["status"]["phase"] == "Suspended", what="Suspended")
     wait_for(lambda: all(api.get(k, ns, n)["spec"]["replicas"] == 0 for k, n in (
         ("Deployment", "pause-vllm"), ("Deployment", "pause-gateway"),
@@ -62,7 +62,7 @@ def test_suspend_scales_to_zero_keeps_the_bucket_and_resume_restarts(api, ns, s3
     # the ConfigMap is not rewritten by suspending (it does not carry spec.suspend)
     assert "suspend:" not in api.get("ConfigMap", ns, "pause-config")["data"]["run.yaml"]
 
-    api.patch("AsyncGRPORun", ns, "pause", {"spec": {"suspend": False}})
+    api.merge_patch("AsyncGRPORun", ns, "pause", {"spec": {"suspend": False}})
     wait_for(lambda: api.get("Deployment", ns, "pause-vllm")["spec"]["replicas"] == 2,
              what="vLLM back")
     wait_for(lambda: len(api.list("Pod", ns, component("pause", "sandbox"))) >= 2,
@@ -118,7 +118,7 @@ def test_invalid_spec_is_a_condition_and_fixing_it_recovers(api, ns, s3_server):
     assert api.get("Deployment", ns, "bad-vllm") is None
     assert "InvalidSpec" in {e["reason"] for e in api.events(ns, "bad")}
 
-    api.patch("AsyncGRPORun", ns, "bad", {"spec": {"model": {"lora": {"rank": 16}},
+    api.merge_patch("AsyncGRPORun", ns, "bad", {"spec": {"model": {"lora": {"rank": 16}},
                                                    "data": {"path": None}}})
     wait_for(lambda: api.get("Deployment", ns, "bad-vllm"), what="children after the fix")
     wait_for(lambda: api.condition(ns, "bad", "Degraded").get("status") == "False",
@@ -231,7 +231,7 @@ def test_removing_the_sandboxes_prunes_the_pool_and_its_children(api, ns, s3_ser
     api.create(run)
     wait_for(lambda: len(api.list("Pod", ns, component("prune", "sandbox"))) == 2, what="pool")
     wait_for(lambda: api.get("Role", ns, "prune-gateway"), what="gateway role")
-    api.patch("AsyncGRPORun", ns, "prune", {"spec": {"sandboxes": None}})
+    api.merge_patch("AsyncGRPORun", ns, "prune", {"spec": {"sandboxes": None}})
     wait_for(lambda: not [p for p in api.list("Pod", ns, component("prune", "sandbox"))
                           if not p["metadata"].get("deletionTimestamp")], what="pool gone")
     for kind, child in (("Deployment", "prune-gateway"), ("Service", "prune-gateway"),

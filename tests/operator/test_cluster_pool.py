@@ -98,7 +98,7 @@ def test_failed_and_unschedulable_sandboxes_are_reported_not_recreated(api, ns, 
     api.create(pool_run(s3_server, ns, "sick", minWarm=3))
     wait_for(lambda: len(sandbox_pods(api, ns, "sick")) == 3, what="3 pods")
     pods = [p["metadata"]["name"] for p in sandbox_pods(api, ns, "sick")]
-    api.patch("Pod", ns, pods[0], {"status": {"phase": "Pending", "conditions": [
+    api.merge_patch("Pod", ns, pods[0], {"status": {"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
          "message": "0/1 nodes are available: 1 Insufficient memory."}]}}, "/status")
     cond = wait_for(lambda: (c := api.condition(ns, "sick", "SandboxesReady"))

@@ -211,7 +211,7 @@ def test_two_elected_replicas_never_both_act_and_the_standby_takes_over(
             first.proc.send_signal(signal.SIGSTOP)
         else:
             first.stop(graceful=how == "sigterm")
-        api.patch("AsyncGRPORun", ns, "solo", {"spec": {"sandboxes": {"minWarm": 5}}})
+        api.merge_patch("AsyncGRPORun", ns, "solo", {"spec": {"sandboxes": {"minWarm": 5}}})
         wait_for(lambda: len(api.list("Pod", ns, component("solo", "sandbox"))) == 5,
                  timeout=TAKEOVER_BOUND, what=f"replica-b acting within {TAKEOVER_BOUND}s")
         took = time.monotonic() - stopped

@@ -186,7 +186,7 @@ def test_silent_endpoint_cleanup_is_released_by_the_annotation(api, ns, s3_serve
         wait_for(lambda: api.run(ns, "stuck").get("metadata", {}).get("deletionTimestamp"),
                  what="deleting")
         assert api.get("AsyncGRPORun", ns, "stuck") is not None
-        api.patch("AsyncGRPORun", ns, "stuck",
+        api.merge_patch("AsyncGRPORun", ns, "stuck",
                   {"metadata": {"annotations": {"asyncgrpo.dev/skip-bucket-cleanup": "true"}}})
         wait_for(lambda: api.get("AsyncGRPORun", ns, "stuck") is None, timeout=60,
                  what="deleted after the annotation")
@@ -213,7 +213,7 @@ def guarded(api, s3_server, crd_installed, peers):
     yield ns, silent
     # runs go while their operator still runs (it holds their finalizers), then the namespace
     for run in api.list("AsyncGRPORun", ns):
-        api.patch("AsyncGRPORun", ns, run["metadata"]["name"], {"metadata": {"annotations": {
+        api.merge_patch("AsyncGRPORun", ns, run["metadata"]["name"], {"metadata": {"annotations": {
             "asyncgrpo.dev/skip-bucket-cleanup": "true"}}})
         api.delete("AsyncGRPORun", ns, run["metadata"]["name"])
     wait_for(lambda: not api.list("AsyncGRPORun", ns), timeout=60, what="runs gone")
@@ -264,7 +264,7 @@ def test_listener_never_receives_a_credential(api, guarded, s3_server, bucket_jo
         for name in ("exfil", "bare", "signer"):
             api.delete("AsyncGRPORun", ns, name)
         wait_for(lambda: api.get("Job", ns, "signer-bucket-cleanup"), what="cleanup Job")
-        api.patch("AsyncGRPORun", ns, "signer",
+        api.merge_patch("AsyncGRPORun", ns, "signer",
                   {"metadata": {"annotations": {"asyncgrpo.dev/skip-bucket-cleanup": "true"}}})
         for name in ("exfil", "bare", "signer"):
             wait_for(lambda n=name: api.get("AsyncGRPORun", ns, n) is None, what="deleted")
@@ -325,7 +325,7 @@ def test_large_spec_is_handled_and_stays_deletable(api, ns, s3_server):
     wait_for(lambda: api.get("Deployment", ns, "large-vllm"), what="children")
     annotations = api.run(ns, "large")["metadata"].get("annotations") or {}
     assert sum(len(v) for v in annotations.values()) < 4096   # no copy of the spec
-    api.patch("AsyncGRPORun", ns, "large", {"spec": {"trainer": {"learningRate": 2e-5}}})
+    api.merge_patch("AsyncGRPORun", ns, "large", {"spec": {"trainer": {"learningRate": 2e-5}}})
     wait_for(lambda: api.run(ns, "large")["status"]["observedGeneration"] == 2,
              what="the update handled")
     api.delete("AsyncGRPORun", ns, "large")
@@ -348,7 +348,7 @@ def test_changing_the_model_is_reported_and_not_rolled_out(api, ns, s3_server):
     wait_for(lambda: api.run(ns, "fixed")["status"].get("checkpointIdentity"), what="identity")
     wait_for(lambda: api.condition(ns, "fixed", "BucketReady").get("status") == "True",
              what="bucket")
-    api.patch("AsyncGRPORun", ns, "fixed", {"spec": {"model": {"name": "other/model"}}})
+    api.merge_patch("AsyncGRPORun", ns, "fixed", {"spec": {"model": {"name": "other/model"}}})
     cond = wait_for(lambda: (c := api.condition(ns, "fixed", "Degraded")).get("reason")
                     == "ImmutableFieldChanged" and c, what="ImmutableFieldChanged")
     assert "spec.model.name" in cond["message"]
@@ -359,6 +359,6 @@ def test_changing_the_model_is_reported_and_not_rolled_out(api, ns, s3_server):
     assert api.condition(ns, "fixed", "BucketReady").get("status") == "True"
     # changing it back is accepted again
     original = make_run(s3_server, ns, "fixed")["spec"]["model"]["name"]
-    api.patch("AsyncGRPORun", ns, "fixed", {"spec": {"model": {"name": original}}})
+    api.merge_patch("AsyncGRPORun", ns, "fixed", {"spec": {"model": {"name": original}}})
     wait_for(lambda: api.condition(ns, "fixed", "Degraded").get("reason")
              != "ImmutableFieldChanged", what="accepted again")

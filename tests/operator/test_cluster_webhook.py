@@ -81,11 +81,11 @@ def test_webhook_refuses_cross_field_errors_at_apply(api, crd_installed, peers, 
         assert api.create(ok)["metadata"]["name"] == "accepted"
         # an update that breaks a valid run is refused as well
         with pytest.raises(ApiException) as e:
-            api.patch("AsyncGRPORun", ns, "accepted", {"spec": {"trainer": {"fsdpSize": 3}}})
+            api.merge_patch("AsyncGRPORun", ns, "accepted", {"spec": {"trainer": {"fsdpSize": 3}}})
         assert e.value.status == 422 and "spec.trainer.fsdpSize" in e.value.body
         # fields the checkpoints depend on are immutable (issue 9)
         with pytest.raises(ApiException) as e:
-            api.patch("AsyncGRPORun", ns, "accepted", {"spec": {"model": {"lora": {"rank": 8}}}})
+            api.merge_patch("AsyncGRPORun", ns, "accepted", {"spec": {"model": {"lora": {"rank": 8}}}})
         assert e.value.status == 422 and "spec.model.lora.rank" in e.value.body
         # over the operator's caps
         flood = make_run(s3_server, ns, "flood")

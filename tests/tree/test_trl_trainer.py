@@ -1,9 +1,10 @@
-"""TRL 1.16.0's real AsyncGRPOTrainer loop, with `trl_integration.install()`, takes the exact gradient.
+"""TRL 1.16.0's real AsyncGRPOTrainer loop, with `TreePackingMixin` mixed in as the trainer runtime
+does (`asyncgrpo.trainer.grpo.S3AdapterGRPOTrainer`), takes the exact gradient.
 
 No vLLM here: rollouts come from a replay worker and weights go nowhere, through the two
 protocols TRL's constructor takes for exactly that (`rollout_worker=`, `weight_transfer=`).
 Everything between the queue and the optimizer is TRL's (dataset, accelerate dispatch, HF
-Trainer step, `compute_loss`) with our planner, collator, attention and head installed. The
+Trainer step, `compute_loss`) with our planner, collator, attention and head in place. The
 gradient reaching the optimizer must equal training on each rollout alone.
 """
 
@@ -93,29 +94,28 @@ def rollout_samples(rollouts, old_log_probs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("budget", "grad_accum"), [(4096, 1), (100, 4)], ids=["one-micro-batch", "uneven-4"])
-def test_trl_trainer_step_with_installed_seam_takes_the_unpacked_gradient(tmp_path, monkeypatch, budget,
-                                                                         grad_accum):
+def test_trl_trainer_step_with_the_mixin_takes_the_unpacked_gradient(tmp_path, monkeypatch, budget,
+                                                                     grad_accum):
     """`uneven-4`: budget 100 plans micro-batches of 16, 16, 8 and 8 trained tokens, accumulated into
     one step. TRL's own normalisation (each micro-batch by its tokens, then / 4) weighs a token of
     the small ones 2x; the step must take the token mean over all 48."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
     from trl.experimental.async_grpo import async_grpo_trainer as agt
 
-    from asyncgrpo.trainer.tree import trl_integration
+    from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
+
+    class TreeTrainer(TreePackingMixin, AsyncGRPOTrainer):
+        """The mixin as the trainer runtime uses it, without its S3 and vLLM parts."""
 
     # TRL asks CUDA for the device name at init (MFU metrics); this host has no CUDA.
     monkeypatch.setattr(agt, "get_peak_flops_per_device", lambda *args: None)
-    trl_integration.install()
-    try:
-        train_one_step_and_compare(tmp_path, budget, grad_accum)
-    finally:
-        trl_integration.uninstall()
-    assert AsyncGRPOTrainer.compute_loss.__module__.startswith("trl.")
+    train_one_step_and_compare(TreeTrainer, tmp_path, budget, grad_accum)
+    assert AsyncGRPOTrainer.compute_loss.__module__.startswith("trl.")  # TRL's class untouched
 
 
-def train_one_step_and_compare(tmp_path, budget, grad_accum):
+def train_one_step_and_compare(trainer_class, tmp_path, budget, grad_accum):
     from datasets import Dataset
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import AsyncGRPOConfig
 
     from asyncgrpo.trainer.tiny import save_tiny_model, tiny_model
     from asyncgrpo.trainer.tiny_tokenizer import tiny_tokenizer
@@ -132,7 +132,7 @@ def train_one_step_and_compare(tmp_path, budget, grad_accum):
         report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, weight_sync_steps=1000,
         max_staleness=10, dtype="float32", bf16=False,  # TRL defaults to bf16 autocast
     )
-    trainer = AsyncGRPOTrainer(
+    trainer = trainer_class(
         model=str(model_dir), args=args, processing_class=tiny_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]]}),
         rollout_worker=ReplayRolloutWorker(rollout_samples(rollouts, old)), weight_transfer=DiscardWeights(),

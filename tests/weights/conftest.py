@@ -1,8 +1,6 @@
-"""Fixtures of the weights tests: a fresh bucket on the session's real S3 server, a store."""
+"""Fixtures of the weights tests: a `WeightStore` on the shared `bucket` (tests/conftest.py)."""
 
 from __future__ import annotations
-
-import uuid
 
 import pytest
 import torch
@@ -10,20 +8,6 @@ import torch
 from tests.vllm_server import vllm_server  # noqa: F401  (fixture re-export)
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture
-def bucket(s3_server):
-    name = f"weights-{uuid.uuid4().hex[:10]}"
-    s3_server.client().create_bucket(Bucket=name)
-    return name
-
-
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    return s3_server.env()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,122 +85,151 @@ def schema_errors(err: ValidationError, data: Any) -> list[FieldError]:
 
 
 def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
-    """Rules between fields. Each message says what to change."""
-    s = run.spec
-    t, r, m = s.trainer, s.rollout, s.model
-    errors: list[FieldError] = []
+    """Rules between fields, in four groups. Each message says what to change."""
+    return [*_naming_and_logging(run), *_model_and_parallelism(run),
+            *_data_and_rewards(run.spec), *_harness_and_sandboxes(run.spec)]
 
-    def err(path: str, message: str) -> None:
-        errors.append(FieldError(path, message))
 
+def _naming_and_logging(run: AsyncGRPORun) -> Iterator[FieldError]:
+    """The run's name (its children's names derive from it), the trainer's ports and loggers."""
+    t = run.spec.trainer
     name = run.metadata.name
     if len(name) > MAX_RUN_NAME or not re.match(RUN_NAME, name):
-        err("metadata.name", f"must be at most {MAX_RUN_NAME} lower-case letters, digits "
+        yield FieldError(
+            "metadata.name", f"must be at most {MAX_RUN_NAME} lower-case letters, digits "
             "and '-', starting with a letter (children's Service names are DNS-1035 labels, "
             f"and their longest label value is the name + 19 characters), got {name!r}")
 
     if run.spec.trainer.metrics_port == TRAINER_RENDEZVOUS_PORT:
-        err("spec.trainer.metricsPort", f"{TRAINER_RENDEZVOUS_PORT} is the trainer's "
+        yield FieldError(
+            "spec.trainer.metricsPort", f"{TRAINER_RENDEZVOUS_PORT} is the trainer's "
             "rendezvous port (torchrun): choose another")
 
     if "none" in t.report_to and len(t.report_to) > 1:
-        err("spec.trainer.reportTo", f"'none' means no logger: it cannot stand beside "
+        yield FieldError(
+            "spec.trainer.reportTo", f"'none' means no logger: it cannot stand beside "
             f"{[x for x in t.report_to if x != 'none']}")
     if len(set(t.report_to)) != len(t.report_to):
-        err("spec.trainer.reportTo", f"names a logger twice: {t.report_to}")
+        yield FieldError("spec.trainer.reportTo", f"names a logger twice: {t.report_to}")
     if t.report_to_secret and not re.fullmatch(
             r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*",
             t.report_to_secret):
-        err("spec.trainer.reportToSecret", f"{t.report_to_secret!r} is not a Secret name "
+        yield FieldError(
+            "spec.trainer.reportToSecret", f"{t.report_to_secret!r} is not a Secret name "
             "(a DNS subdomain: lower-case letters, digits, '-' and '.')")
 
+
+def _model_and_parallelism(run: AsyncGRPORun) -> Iterator[FieldError]:
+    """What the model, GPUs, sharding and lengths must agree on to run at all."""
+    s = run.spec
+    t, r, m = s.trainer, s.rollout, s.model
     if r.gpus_per_replica and r.gpus_per_replica < r.tensor_parallel_size:
-        err("spec.rollout.gpusPerReplica", f"{r.gpus_per_replica} GPUs cannot hold "
+        yield FieldError(
+            "spec.rollout.gpusPerReplica", f"{r.gpus_per_replica} GPUs cannot hold "
             f"tensorParallelSize {r.tensor_parallel_size}: request at least as many (or 0 "
             "for a CPU vLLM)")
 
     world = run.world_size
     fsdp = t.fsdp_size or world
     if world % fsdp:
-        err("spec.trainer.fsdpSize", f"{fsdp} must divide the world size {world} "
+        yield FieldError(
+            "spec.trainer.fsdpSize", f"{fsdp} must divide the world size {world} "
             f"(replicas {t.replicas} x {max(t.gpus_per_replica, 1)} processes per replica)")
     if t.expert_parallel_size > 1:
         if not m.moe:
-            err("spec.trainer.expertParallelSize", "expert parallel needs a mixture-of-experts "
+            yield FieldError(
+                "spec.trainer.expertParallelSize", "expert parallel needs a mixture-of-experts "
                 "model: set spec.model.moe: true or expertParallelSize: 1")
         if fsdp % t.expert_parallel_size:
-            err("spec.trainer.expertParallelSize", f"{t.expert_parallel_size} must divide "
+            yield FieldError(
+                "spec.trainer.expertParallelSize", f"{t.expert_parallel_size} must divide "
                 f"fsdpSize {fsdp} (experts are spread inside each shard group)")
     if m.finetuning == "lora" and m.lora.rank > r.max_lora_rank:
-        err("spec.model.lora.rank", f"rank {m.lora.rank} is above spec.rollout.maxLoraRank "
+        yield FieldError(
+            "spec.model.lora.rank", f"rank {m.lora.rank} is above spec.rollout.maxLoraRank "
             f"{r.max_lora_rank}: vLLM would refuse the adapter")
     if m.finetuning == "full" and m.full.local_disk is None:
-        err("spec.model.full.localDisk", "full fine-tuning keeps the weights on each vLLM "
+        yield FieldError(
+            "spec.model.full.localDisk", "full fine-tuning keeps the weights on each vLLM "
             "pod's local disk: the served full copy plus the next anchor while it downloads. "
             "Set it to at least 2 x parameters x bytes per parameter (bfloat16: 2 bytes; a 30B "
             "model needs 120Gi). The trainer's rank 0 also holds one full copy in CPU memory "
             "(the base of the next delta): give its pod that much memory on top of training.")
     if m.attention == "tree-flex" and t.gpus_per_replica == 0:
-        err("spec.model.attention", "tree-flex needs GPUs (FlexAttention has no CPU backward): "
+        yield FieldError(
+            "spec.model.attention", "tree-flex needs GPUs (FlexAttention has no CPU backward): "
             "use tree-sdpa or auto with gpusPerReplica: 0")
     if r.sampling.max_completion_tokens >= r.max_model_len:
-        err("spec.rollout.sampling.maxCompletionTokens", f"{r.sampling.max_completion_tokens} "
+        yield FieldError(
+            "spec.rollout.sampling.maxCompletionTokens", f"{r.sampling.max_completion_tokens} "
             f"leaves no room for a prompt in maxModelLen {r.max_model_len}")
     if t.token_budget_per_rank < r.max_model_len:
-        err("spec.trainer.tokenBudgetPerRank", f"{t.token_budget_per_rank} is below "
+        yield FieldError(
+            "spec.trainer.tokenBudgetPerRank", f"{t.token_budget_per_rank} is below "
             f"spec.rollout.maxModelLen {r.max_model_len}: the longest rollout must fit one "
             "micro-batch (rollouts are never dropped silently)")
     if s.adapter_store.retention < t.max_staleness + 2:
-        err("spec.adapterStore.retention", f"{s.adapter_store.retention} must be at least "
+        yield FieldError(
+            "spec.adapterStore.retention", f"{s.adapter_store.retention} must be at least "
             f"trainer.maxStaleness + 2 = {t.max_staleness + 2}: in-flight rollouts may still "
             "name those versions")
 
+
+def _data_and_rewards(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
+    """One prompt source; reward functions with the arguments they read."""
     sources = [k for k in ("bucket_path", "config_map", "path") if getattr(s.data, k) is not None]
     if len(sources) != 1:
-        err("spec.data", "give exactly one of bucketPath, configMap, path "
+        yield FieldError(
+            "spec.data", "give exactly one of bucketPath, configMap, path "
             f"(got {len(sources) or 'none'})")
 
     for i, fn in enumerate(s.reward.functions):
         at = f"spec.reward.functions[{i}]"
         if fn.name == "python" and not fn.module:
-            err(f"{at}.module", "name: python needs module: 'package.module:function'")
+            yield FieldError(f"{at}.module", "name: python needs module: 'package.module:function'")
         if fn.name != "python" and fn.module:
-            err(f"{at}.module", f"module is only read with name: python (name is {fn.name})")
+            yield FieldError(
+                f"{at}.module", f"module is only read with name: python (name is {fn.name})")
         if fn.name == "sandbox_tests" and s.sandboxes is None:
-            err(f"{at}.name", "sandbox_tests runs tests in a sandbox: add spec.sandboxes")
+            yield FieldError(
+                f"{at}.name", "sandbox_tests runs tests in a sandbox: add spec.sandboxes")
         accepted = accepted_args(fn.name)
         unknown = sorted(set(fn.args) - accepted) if accepted is not None else []
         if unknown:  # a built-in reward would receive them as data columns and ignore them
-            err(f"{at}.args", f"{fn.name} takes no {', '.join(unknown)}; its args are "
+            yield FieldError(
+                f"{at}.args", f"{fn.name} takes no {', '.join(unknown)}; its args are "
                 f"{', '.join(sorted(accepted))}")
         if fn.name == "regex_match" and "pattern" not in fn.args:
-            err(f"{at}.args", "regex_match needs args.pattern")
+            yield FieldError(f"{at}.args", "regex_match needs args.pattern")
         if "pattern" in fn.args:
             try:
                 re.compile(str(fn.args["pattern"]))
             except re.error as e:
-                err(f"{at}.args.pattern", f"not a valid regular expression: {e}")
+                yield FieldError(f"{at}.args.pattern", f"not a valid regular expression: {e}")
 
+
+def _harness_and_sandboxes(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
+    """Turns and tools against the harness type; the sandbox pool's bounds and egress."""
     h = s.harness
     if h.type == "single-turn" and h.max_turns != 1:
-        err("spec.harness.maxTurns", "single-turn rollouts have exactly one turn")
+        yield FieldError("spec.harness.maxTurns", "single-turn rollouts have exactly one turn")
     if h.tools and h.type != "multi-turn":
-        err("spec.harness.tools", "tools need harness.type: multi-turn")
+        yield FieldError("spec.harness.tools", "tools need harness.type: multi-turn")
     if h.tools and s.sandboxes is None:
-        err("spec.sandboxes", "tools run in sandboxes: add spec.sandboxes")
+        yield FieldError("spec.sandboxes", "tools run in sandboxes: add spec.sandboxes")
 
     if s.sandboxes is not None:
         sb = s.sandboxes
         if sb.min_warm > sb.max:
-            err("spec.sandboxes.minWarm", f"{sb.min_warm} is above max {sb.max}")
+            yield FieldError("spec.sandboxes.minWarm", f"{sb.min_warm} is above max {sb.max}")
         if sb.max > sb.hard_cap:
-            err("spec.sandboxes.max", f"{sb.max} is above hardCap {sb.hard_cap}")
+            yield FieldError("spec.sandboxes.max", f"{sb.max} is above hardCap {sb.hard_cap}")
         for i, cidr in enumerate(sb.network.allowed_egress_cidrs):
             try:
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
-                err(f"spec.sandboxes.network.allowedEgressCidrs[{i}]", f"not a CIDR: {cidr!r}")
-    return errors
+                yield FieldError(
+                    f"spec.sandboxes.network.allowedEgressCidrs[{i}]", f"not a CIDR: {cidr!r}")
 
 
 def checkpoint_identity(spec: AsyncGRPORunSpec) -> str:

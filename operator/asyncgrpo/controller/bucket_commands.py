@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-TERMINATION_ENV = "ASYNCGRPO_TERMINATION_LOG"
+from asyncgrpo import wire
 
 
 def register(subparsers) -> None:
@@ -33,12 +33,12 @@ def _store(env: Mapping[str, str]):
     from asyncgrpo.api.v1alpha1 import AdapterStoreSpec
     from asyncgrpo.controller.bucketjob import CREATE_ENV
 
-    spec = {"bucket": env["ASYNCGRPO_ADAPTER_BUCKET"],
-            "prefix": env.get("ASYNCGRPO_ADAPTER_PREFIX") or "asyncgrpo",
-            "region": env.get("ASYNCGRPO_ADAPTER_REGION") or "us-east-1",
+    spec = {"bucket": env[wire.ADAPTER_BUCKET_ENV],
+            "prefix": env.get(wire.ADAPTER_PREFIX_ENV) or "asyncgrpo",
+            "region": env.get(wire.ADAPTER_REGION_ENV) or "us-east-1",
             "createBucket": env.get(CREATE_ENV, "true").lower() == "true"}
-    if env.get("ASYNCGRPO_ADAPTER_ENDPOINT"):
-        spec["endpoint"] = env["ASYNCGRPO_ADAPTER_ENDPOINT"]
+    if env.get(wire.ADAPTER_ENDPOINT_ENV):
+        spec["endpoint"] = env[wire.ADAPTER_ENDPOINT_ENV]
     return AdapterStoreSpec.model_validate(spec)
 
 
@@ -55,8 +55,8 @@ def execute(action: str, env: Mapping[str, str]) -> tuple[int, str]:
         except (KeyError, ValidationError) as e:
             raise bucket.BucketError("InvalidSpec", f"the Job's bucket settings are "
                                      f"incomplete or invalid ({type(e).__name__})") from None
-        owner = bucket.Owner(env.get("ASYNCGRPO_ADAPTER_NAMESPACE") or "default",
-                             env.get("ASYNCGRPO_ADAPTER_RUN", ""), env.get(UID_ENV, ""))
+        owner = bucket.Owner(env.get(wire.ADAPTER_NAMESPACE_ENV) or "default",
+                             env.get(wire.ADAPTER_RUN_ENV, ""), env.get(UID_ENV, ""))
         if not owner.uid:
             raise bucket.BucketError("InvalidSpec", f"{UID_ENV} is not set")
         allow = [a.strip() for a in env.get(ALLOWED_ENV, "").split(",") if a.strip()]
@@ -76,8 +76,10 @@ def execute(action: str, env: Mapping[str, str]) -> tuple[int, str]:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from asyncgrpo.controller.bucketjob import TERMINATION_LOG
+
     code, message = execute(args.action, os.environ)
-    path = os.environ.get(TERMINATION_ENV) or "/dev/termination-log"
+    path = os.environ.get(wire.TERMINATION_LOG_ENV) or TERMINATION_LOG
     try:
         with open(path, "w") as f:
             f.write(message)

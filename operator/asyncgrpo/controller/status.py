@@ -102,124 +102,142 @@ def compute(spec: AsyncGRPORunSpec | None, obs: Observation, old: dict[str, Any]
             now: str) -> tuple[dict[str, Any], list[Transition]]:
     """New status (camelCase, as stored) and the events its transitions deserve."""
     old_phase = old.get("phase") or PENDING
-    conds: list[dict[str, Any]] = []
-    degraded: tuple[str, str] | None = None
-    status: dict[str, Any] = {"observedGeneration": obs.generation}
-
     kept: list[dict[str, Any]] = []
     if obs.spec_errors or spec is None:
-        msg = "; ".join(str(e) for e in obs.spec_errors[:10])
-        reason = obs.spec_error_reason
-        conds.append(_cond("Progressing", False, reason, f"{msg}; the workloads keep the "
-                           "last spec the operator applied"))
-        conds.append(_cond("Degraded", True, reason, msg))
+        conds = _invalid_spec_conditions(obs)
         phase = old_phase
         # the workloads still run the last valid spec: what was observed of them stays true
         # (with the generation it was observed for)
         kept = [c for c in old.get("conditions") or []
                 if c.get("type") not in ("Progressing", "Degraded")]
     else:
-        outcome = None if old_phase in TERMINAL else _trainer_outcome(
-            obs.children, obs.progress, spec)
-        terminal = old_phase if old_phase in TERMINAL else outcome
-        stopped = ("Suspended" if spec.suspend and terminal is None else
-                   ("Finished" if terminal else None))
-
-        prev_bucket = next((c for c in old.get("conditions") or []
-                            if c.get("type") == "BucketReady"), None)
-        bucket_pending = not obs.bucket_checked
-        if not obs.bucket_checked and prev_bucket is not None \
-                and prev_bucket.get("observedGeneration") == obs.generation:
-            # a check is in flight (an operator restart): what the last one found still
-            # stands, so a restart neither flips the condition nor holds the run
-            ok = {"True": True, "False": False}.get(prev_bucket.get("status"))
-            conds.append(_cond("BucketReady", ok, prev_bucket.get("reason", ""),
-                               prev_bucket.get("message", "")))
-            bucket_pending = ok is not True
-        elif not obs.bucket_checked:
-            conds.append(_cond("BucketReady", None, "Checking", "the bucket setup Job "
-                               "has not finished yet"))
-        elif obs.bucket_error is not None:
-            conds.append(_cond("BucketReady", False, obs.bucket_error.reason,
-                               obs.bucket_error.message))
-            degraded = (obs.bucket_error.reason, obs.bucket_error.message)
-        else:
-            conds.append(_cond("BucketReady", True, "BucketReady",
-                               f"bucket {spec.adapter_store.bucket!r} is set up and the "
-                               "run folder is the run's"))
-
-        rollout = _workload_condition("RolloutReady", obs.children, "vllm", "vLLM", stopped)
-        conds.append(rollout)
-        if spec.sandboxes is not None:
-            conds.append(_sandboxes_condition(spec, obs, stopped))
-        if obs.trainer_gated and not stopped:
-            trainer = _cond("TrainerReady", False, "WaitingForRollout",
-                            "the trainer starts once vLLM (and the sandbox gateway) are ready")
-        else:
-            trainer = _workload_condition("TrainerReady", obs.children, "trainer", "trainer",
-                                          stopped)
-        conds.append(trainer)
-        conds.append(_adapter_condition(obs.progress, probe_tolerance(spec)))
-
-        if obs.apply_errors:
-            reason, message = obs.apply_errors[0]
-            degraded = ("ApplyFailed", f"{reason}: {message}")
-        for c in conds:
-            if c["status"] == "False" and c["reason"] not in (
-                    "Starting", "NotCreated", "WaitingForRollout", "Suspended", "Finished",
-                    "SandboxesStarting") and degraded is None:
-                degraded = (c["reason"], c["message"])
-
-        if terminal:
-            phase = terminal
-        elif spec.suspend:
-            phase = SUSPENDED
-        elif obs.bucket_error is not None or bucket_pending:
-            phase = PENDING
-        elif trainer["status"] == "True":
-            phase = RUNNING
-        else:
-            phase = STARTING
-
-        if phase in TERMINAL:
-            conds.append(_cond("Progressing", False, phase, f"the run {phase.lower()}"))
-        elif phase == SUSPENDED:
-            conds.append(_cond("Progressing", False, "Suspended", "spec.suspend is true"))
-        else:
-            conds.append(_cond("Progressing", True, phase, f"the run is {phase.lower()}"))
-        conds.append(_cond("Degraded", True, *degraded) if degraded
-                     else _cond("Degraded", False, "AsExpected", "no problem found"))
-
-    status["phase"] = phase
+        conds, phase = _conditions_and_phase(spec, obs, old, old_phase)
+    status: dict[str, Any] = {"observedGeneration": obs.generation, "phase": phase}
     status["conditions"] = kept + _merge_conditions(old.get("conditions") or [], conds,
                                                     obs.generation, now)
-    p = obs.progress
-    if p is not None:
-        if p.step is not None:
-            status["step"] = p.step
-            if spec is not None:
-                status["progress"] = f"{p.step}/{spec.trainer.total_steps}"
-        if p.reward_mean is not None and p.reward_mean == p.reward_mean:   # not NaN
-            status["reward"] = round(p.reward_mean, 4)
-        if p.policy_version is not None:
-            status["policyVersion"] = p.policy_version
-        tp = {k: v for k, v in (("rawTokensPerSecond", p.raw_tokens_per_second),
-                                ("uniqueTokensPerSecond", p.unique_tokens_per_second),
-                                ("treeCompressionRatio", p.tree_compression_ratio))
-              if v is not None}
-        if tp:
-            status["throughput"] = tp
-    if obs.served_weights is not None:
-        status["servedWeights"] = obs.served_weights.status()
-    if spec is not None and spec.sandboxes is not None and obs.sandboxes:
-        sb = status["sandboxes"] = dict(obs.sandboxes)
-        if "wanted" in sb:
-            sb["ready"] = f"{sb.get('warm', 0) + sb.get('busy', 0)}/{sb['wanted']}"
+    status.update(_observed_fields(spec, obs))
     if phase == RUNNING and not old.get("startTime"):
         status["startTime"] = now
     if phase in TERMINAL and not old.get("completionTime"):
         status["completionTime"] = now
     return status, _transitions(old, old_phase, phase, status["conditions"])
+
+
+def _invalid_spec_conditions(obs: Observation) -> list[dict[str, Any]]:
+    msg = "; ".join(str(e) for e in obs.spec_errors[:10])
+    reason = obs.spec_error_reason
+    return [_cond("Progressing", False, reason, f"{msg}; the workloads keep the "
+                  "last spec the operator applied"),
+            _cond("Degraded", True, reason, msg)]
+
+
+#: False conditions that are a step of a healthy run, not a problem (Degraded stays False).
+_ON_THE_WAY = ("Starting", "NotCreated", "WaitingForRollout", "Suspended", "Finished",
+               "SandboxesStarting")
+
+
+def _conditions_and_phase(spec: AsyncGRPORunSpec, obs: Observation, old: dict[str, Any],
+                          old_phase: str) -> tuple[list[dict[str, Any]], str]:
+    """Every condition of a valid spec's run, and its phase."""
+    outcome = None if old_phase in TERMINAL else _trainer_outcome(
+        obs.children, obs.progress, spec)
+    terminal = old_phase if old_phase in TERMINAL else outcome
+    stopped = ("Suspended" if spec.suspend and terminal is None else
+               ("Finished" if terminal else None))
+
+    bucket, bucket_pending = _bucket_condition(spec, obs, old)
+    conds = [bucket, _workload_condition("RolloutReady", obs.children, "vllm", "vLLM", stopped)]
+    if spec.sandboxes is not None:
+        conds.append(_sandboxes_condition(spec, obs, stopped))
+    if obs.trainer_gated and not stopped:
+        trainer = _cond("TrainerReady", False, "WaitingForRollout",
+                        "the trainer starts once vLLM (and the sandbox gateway) are ready")
+    else:
+        trainer = _workload_condition("TrainerReady", obs.children, "trainer", "trainer",
+                                      stopped)
+    conds.append(trainer)
+    conds.append(_adapter_condition(obs.progress, probe_tolerance(spec)))
+
+    degraded: tuple[str, str] | None = None
+    if obs.bucket_checked and obs.bucket_error is not None:
+        degraded = (obs.bucket_error.reason, obs.bucket_error.message)
+    if obs.apply_errors:
+        reason, message = obs.apply_errors[0]
+        degraded = ("ApplyFailed", f"{reason}: {message}")
+    if degraded is None:
+        degraded = next(((c["reason"], c["message"]) for c in conds
+                         if c["status"] == "False" and c["reason"] not in _ON_THE_WAY), None)
+
+    if terminal:
+        phase = terminal
+    elif spec.suspend:
+        phase = SUSPENDED
+    elif obs.bucket_error is not None or bucket_pending:
+        phase = PENDING
+    elif trainer["status"] == "True":
+        phase = RUNNING
+    else:
+        phase = STARTING
+
+    if phase in TERMINAL:
+        conds.append(_cond("Progressing", False, phase, f"the run {phase.lower()}"))
+    elif phase == SUSPENDED:
+        conds.append(_cond("Progressing", False, "Suspended", "spec.suspend is true"))
+    else:
+        conds.append(_cond("Progressing", True, phase, f"the run is {phase.lower()}"))
+    conds.append(_cond("Degraded", True, *degraded) if degraded
+                 else _cond("Degraded", False, "AsExpected", "no problem found"))
+    return conds, phase
+
+
+def _bucket_condition(spec: AsyncGRPORunSpec, obs: Observation,
+                      old: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """BucketReady, and whether the run must still wait for the bucket."""
+    prev = next((c for c in old.get("conditions") or [] if c.get("type") == "BucketReady"),
+                None)
+    if not obs.bucket_checked and prev is not None \
+            and prev.get("observedGeneration") == obs.generation:
+        # a check is in flight (an operator restart): what the last one found still
+        # stands, so a restart neither flips the condition nor holds the run
+        ok = {"True": True, "False": False}.get(prev.get("status"))
+        return _cond("BucketReady", ok, prev.get("reason", ""), prev.get("message", "")), \
+            ok is not True
+    if not obs.bucket_checked:
+        return _cond("BucketReady", None, "Checking", "the bucket setup Job "
+                     "has not finished yet"), True
+    if obs.bucket_error is not None:
+        return _cond("BucketReady", False, obs.bucket_error.reason,
+                     obs.bucket_error.message), False
+    return _cond("BucketReady", True, "BucketReady", f"bucket {spec.adapter_store.bucket!r} "
+                 "is set up and the run folder is the run's"), False
+
+
+def _observed_fields(spec: AsyncGRPORunSpec | None, obs: Observation) -> dict[str, Any]:
+    """What the status shows of the trainer's progress, the served weights and the pool."""
+    out: dict[str, Any] = {}
+    p = obs.progress
+    if p is not None:
+        if p.step is not None:
+            out["step"] = p.step
+            if spec is not None:
+                out["progress"] = f"{p.step}/{spec.trainer.total_steps}"
+        if p.reward_mean is not None and p.reward_mean == p.reward_mean:   # not NaN
+            out["reward"] = round(p.reward_mean, 4)
+        if p.policy_version is not None:
+            out["policyVersion"] = p.policy_version
+        tp = {k: v for k, v in (("rawTokensPerSecond", p.raw_tokens_per_second),
+                                ("uniqueTokensPerSecond", p.unique_tokens_per_second),
+                                ("treeCompressionRatio", p.tree_compression_ratio))
+              if v is not None}
+        if tp:
+            out["throughput"] = tp
+    if obs.served_weights is not None:
+        out["servedWeights"] = obs.served_weights.status()
+    if spec is not None and spec.sandboxes is not None and obs.sandboxes:
+        sb = out["sandboxes"] = dict(obs.sandboxes)
+        if "wanted" in sb:
+            sb["ready"] = f"{sb.get('warm', 0) + sb.get('busy', 0)}/{sb['wanted']}"
+    return out
 
 
 def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,

@@ -2,7 +2,9 @@
 
 It runs the pods the operator would create (`asyncgrpo.local.placement.run_pods`, from the
 operator's own builders), each container translated to a process by the one documented
-translation (`asyncgrpo.local.pods`): vLLM from the vLLM venv with the S3 LoRA resolver,
+translation (`asyncgrpo.local.pods`): first the bucket setup Job's pod (`asyncgrpo bucket
+setup`, the one implementation of bucket creation and the folder's ownership marker, which a
+cluster runs as a Job), then vLLM from the vLLM venv with the S3 LoRA resolver,
 sandbox servers and a gateway when the run has `spec.sandboxes`, and the trainer nodes
 (torchrun, as in the StatefulSet). An S3 server is started first when the adapter store
 points at loopback and nothing listens there (moto). It follows the trainer until it exits,
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -29,9 +32,18 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from asyncgrpo.api import AsyncGRPORun
-from asyncgrpo.local.placement import Pod, build_placement, run_pods
+from asyncgrpo.controller import bucketjob
+from asyncgrpo.local.net import listening
+from asyncgrpo.local.placement import (
+    Pod,
+    bucket_setup_pod,
+    build_placement,
+    run_pods,
+    termination_log,
+)
 from asyncgrpo.local.pods import LocalProcess, PodTranslationError, translate
 from asyncgrpo.local.processes import ManagedProcess
+from asyncgrpo.local.s3 import S3Server
 from asyncgrpo.wire import BIND_HOST_ENV, METRICS_PORT_ENV, WORK_DIR_ENV
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -79,47 +91,53 @@ class LocalBackend:
                                 "locally give the prompts as spec.data.path")
 
     # ------------------------------------------------------------------ parts
-    def _s3(self) -> str:
+    def _s3(self) -> None:
+        """A local S3 server when the endpoint is a free loopback port; the credentials
+        every pod gets (the run's Secret values, or the machine's as IRSA would give)."""
         store = self.run.spec.adapter_store
         url = urlparse(store.endpoint)
         host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
         creds = {k: os.environ[k] for k in LOCAL_S3_CREDENTIALS if os.environ.get(k)}
-        if host in LOOPBACK and not _listening(port):
-            from asyncgrpo.testing.s3 import S3Server
-
+        if host in LOOPBACK and not listening(port):
             self.say(f"starting a local S3 server on 127.0.0.1:{port}")
-            self.started.append(S3Server.start(self.workdir / "s3.log", port=port))
+            try:
+                self.started.append(S3Server.start(self.workdir / "s3.log", port=port))
+            except FileNotFoundError as e:
+                raise LocalRunError(f"no local S3 server: {e}") from None
             creds = creds or dict(LOCAL_S3_CREDENTIALS)
         if not creds:
             raise LocalRunError("no S3 credentials: set AWS_ACCESS_KEY_ID and "
                                 "AWS_SECRET_ACCESS_KEY for spec.adapterStore.endpoint")
         self.env.update(creds)
-        if store.create_bucket:
-            self._ensure_bucket(store.endpoint, store.bucket, store.region)
-        return store.endpoint
 
-    def _ensure_bucket(self, endpoint: str, bucket: str, region: str) -> None:
-        import boto3
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        client = boto3.client("s3", endpoint_url=endpoint, region_name=region,
-                              aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"])
+    def _setup_bucket(self, pod: Pod, lp: LocalProcess) -> None:
+        """Run the bucket setup Job's pod to its end, as the Job controller would: the
+        bucket created if missing and allowed, the run folder claimed with its ownership
+        marker; a failure stops the run with the command's `Reason: message`."""
+        proc = self._start(lp, wait=False)
         try:
-            client.head_bucket(Bucket=bucket)
-        except ClientError:
-            client.create_bucket(Bucket=bucket)
-        except BotoCoreError as e:
-            raise LocalRunError(f"spec.adapterStore: cannot reach the bucket: "
-                                f"{type(e).__name__}") from None
+            code = proc.proc.wait(timeout=pod.deadline_s)
+        except subprocess.TimeoutExpired:
+            proc.stop()
+            raise LocalRunError(f"the bucket setup ran past its deadline ({pod.deadline_s:.0f}"
+                                f" s); see {proc.log_path}") from None
+        try:
+            message = termination_log(self.workdir, pod).read_text().strip()
+        except OSError:
+            message = proc.log_tail().strip()
+        if code != 0:
+            raise LocalRunError(f"the bucket setup failed: {message} (see {proc.log_path})")
+        self.say(f"bucket setup: {message}")
 
     def _start(self, lp: LocalProcess, *, wait: bool) -> ManagedProcess:
         return start_process(lp, self.workdir, started=self.started, wait=wait)
 
     def _processes(self) -> tuple[list[Pod], dict[str, LocalProcess]]:
-        """The run's pods, from the operator's builders, as local processes."""
+        """The run's pods, from the operator's builders, as local processes: the bucket
+        setup Job's pod first, then the workloads' pods in start order."""
         sb = self.run.spec.sandboxes
-        pods = run_pods(self.run, max(1, sb.min_warm) if sb is not None else 0)
+        pods = [bucket_setup_pod(self.run),
+                *run_pods(self.run, max(1, sb.min_warm) if sb is not None else 0)]
         try:
             placement = build_placement(self.run, pods, self.workdir,
                                         s3_credentials=dict(self.env),
@@ -141,48 +159,52 @@ class LocalBackend:
         try:
             self._s3()
             pods, procs = self._processes()
-            by = {c: [p.name for p in pods if p.component == c]
-                  for c in ("vllm", "sandbox", "gateway", "trainer")}
+            by = {c: [p for p in pods if p.component == c]
+                  for c in (bucketjob.SETUP, "vllm", "sandbox", "gateway", "trainer")}
+            for pod in by[bucketjob.SETUP]:
+                self._setup_bucket(pod, procs[pod.name])
             self.say(f"starting vLLM ({self.run.spec.model.name}); this takes 30-60 s on a CPU")
-            server = self._start(procs[by["vllm"][0]], wait=True)
+            server = self._start(procs[by["vllm"][0].name], wait=True)
             for pod in by["sandbox"]:
-                self._start(procs[pod], wait=True)
+                self._start(procs[pod.name], wait=True)
             for pod in by["gateway"]:
-                self._start(procs[pod], wait=True)
+                self._start(procs[pod.name], wait=True)
                 self.say(f"started {len(by['sandbox'])} sandbox server(s) behind a gateway "
-                         f"on {_host_port(procs[pod].ready_url)}")
-            nodes = [procs[pod] for pod in by["trainer"]]
-            self.status_path = Path(nodes[0].env[WORK_DIR_ENV]) / "status.json"
-            world = self.run.world_size
-            self.say(f"starting the trainer ({world} process{'es' if world > 1 else ''}); "
-                     f"metrics on {nodes[0].env[BIND_HOST_ENV]}:"
-                     f"{nodes[0].env[METRICS_PORT_ENV]}")
-            trainers = [self._start(lp, wait=False) for lp in nodes]
-            last_step = -1
-            while any(t.running for t in trainers):
-                time.sleep(poll_s)
-                if not server.running:
-                    raise LocalRunError(f"vLLM exited ({server.proc.returncode}); "
-                                        f"see {server.log_path}")
-                failed = [t for t in trainers if not t.running and t.proc.returncode != 0]
-                if failed:
-                    break
-                status = self.trainer_status()
-                if status and status.get("step", -1) != last_step:
-                    last_step = status.get("step", -1)
-                    self.say(_progress_line(status))
-            for t in trainers:  # one node failed: the others cannot go on without it
-                if t.running:
-                    t.stop()
-            bad = next((t for t in trainers if t.proc.returncode != 0), None)
-            if bad is not None:
-                self.say(f"trainer exited with {bad.proc.returncode}; last lines of "
-                         f"{bad.log_path}:\n{bad.log_tail()}")
-                return bad.proc.returncode
-            self.say(self.summary())
-            return 0
+                         f"on {_host_port(procs[pod.name].ready_url)}")
+            return self._train([procs[pod.name] for pod in by["trainer"]], server, poll_s)
         finally:
             self.stop()
+
+    def _train(self, nodes: list[LocalProcess], server: ManagedProcess, poll_s: float) -> int:
+        """Start the trainer nodes and follow them to their end (vLLM must stay up); the
+        first failing node's exit code, after stopping the others."""
+        self.status_path = Path(nodes[0].env[WORK_DIR_ENV]) / "status.json"
+        world = self.run.world_size
+        self.say(f"starting the trainer ({world} process{'es' if world > 1 else ''}); "
+                 f"metrics on {nodes[0].env[BIND_HOST_ENV]}:{nodes[0].env[METRICS_PORT_ENV]}")
+        trainers = [self._start(lp, wait=False) for lp in nodes]
+        last_step = -1
+        while any(t.running for t in trainers):
+            time.sleep(poll_s)
+            if not server.running:
+                raise LocalRunError(f"vLLM exited ({server.proc.returncode}); "
+                                    f"see {server.log_path}")
+            if any(not t.running and t.proc.returncode != 0 for t in trainers):
+                break
+            status = self.trainer_status()
+            if status and status.get("step", -1) != last_step:
+                last_step = status.get("step", -1)
+                self.say(_progress_line(status))
+        for t in trainers:  # one node failed: the others cannot go on without it
+            if t.running:
+                t.stop()
+        bad = next((t for t in trainers if t.proc.returncode != 0), None)
+        if bad is not None:
+            self.say(f"trainer exited with {bad.proc.returncode}; last lines of "
+                     f"{bad.log_path}:\n{bad.log_tail()}")
+            return bad.proc.returncode
+        self.say(self.summary())
+        return 0
 
     def trainer_status(self) -> dict | None:
         if self.status_path is None:
@@ -246,13 +268,6 @@ def _wait_ready(proc: ManagedProcess, url: str, timeout_s: float) -> None:
 def _host_port(url: str | None) -> str:
     u = urlparse(url or "")
     return f"{u.hostname}:{u.port}"
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _progress_line(status: dict) -> str:

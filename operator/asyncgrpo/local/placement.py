@@ -1,7 +1,9 @@
 """The pods of a run as the operator builds them, and the `LocalPlacement` that runs them here.
 
 `run_pods` asks the operator's builders for every pod (the same functions the reconcile
-and the pool scaler call), so the local backend never assembles a command line itself.
+and the pool scaler call), and `bucket_setup_pod` for the pod of the run's bucket setup Job
+(`asyncgrpo bucket setup`, ownership marker included), so the local backend never assembles
+a command line itself.
 `build_placement` decides the local data `asyncgrpo.local.pods.translate` needs: a
 loopback address per pod, the ports that must move, a directory per volume (the run
 document written where the ConfigMap would be mounted), Secret values, the images'
@@ -15,17 +17,24 @@ import secrets
 import shutil
 import socket
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from asyncgrpo.api import AsyncGRPORun
-from asyncgrpo.controller import configmap, gateway, sandboxes, trainer, vllm
+from asyncgrpo.controller import bucketjob, configmap, gateway, sandboxes, trainer, vllm
 from asyncgrpo.controller.common import name
+from asyncgrpo.controller.runtime import Settings
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, SANDBOX_TOKEN_KEY, secret_name
+from asyncgrpo.local.net import free_port
 from asyncgrpo.local.pods import ImageRuntime, LocalPlacement, parse_dockerfile_env
 from asyncgrpo.local.vllm import PACKAGE_ROOT, vllm_venv
-from asyncgrpo.testing.net import free_port
-from asyncgrpo.wire import GATEWAY_MEMBERS_ENV, MAX_STEPS_ENV, TRAINER_RENDEZVOUS_PORT
+from asyncgrpo.wire import (
+    GATEWAY_MEMBERS_ENV,
+    MAX_STEPS_ENV,
+    TERMINATION_LOG_ENV,
+    TRAINER_RENDEZVOUS_PORT,
+)
 
 #: where images/<x>/Dockerfile are (a checkout)
 IMAGES_DIR = PACKAGE_ROOT.parent / "images"
@@ -48,6 +57,33 @@ class Pod:
     component: str
     labels: dict
     spec: dict
+    #: a Job's pod: how long it may run (activeDeadlineSeconds); None for a workload's pod
+    deadline_s: float | None = None
+
+
+def local_uid(run: AsyncGRPORun) -> str:
+    """The uid a local run's bucket folder is claimed with: the same for every local run of
+    one namespace/name, so running it again reclaims its own folder (as a cluster run keeps
+    its uid across restarts), and never a cluster run's, whose folder it must not take."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "asyncgrpo-local:"
+                          f"{run.metadata.namespace or 'default'}/{run.metadata.name}"))
+
+
+def bucket_setup_pod(run: AsyncGRPORun) -> Pod:
+    """The pod of the run's bucket setup Job, as the operator builds it (`bucketjob`): the
+    one implementation of bucket creation and the ownership marker, run before any pod that
+    reads or writes the bucket."""
+    job = bucketjob.build_job(run, bucketjob.SETUP, local_uid(run),
+                              bucketjob.JobSettings(image=Settings.bucket_job_image))
+    t = job["spec"]["template"]
+    return Pod(f"{job['metadata']['name']}-0", bucketjob.SETUP, t["metadata"]["labels"],
+               t["spec"], deadline_s=float(job["spec"]["activeDeadlineSeconds"]))
+
+
+def termination_log(workdir: Path, pod: Pod) -> Path:
+    """Where a pod's container writes its termination message locally (a kubelet reads
+    `terminationMessagePath`; here the program is told the file through its variable)."""
+    return workdir / pod.name / "termination-log"
 
 
 def run_pods(run: AsyncGRPORun, sandbox_count: int) -> list[Pod]:
@@ -94,10 +130,12 @@ def hosts(run: AsyncGRPORun, pods: list[Pod]) -> dict[str, str]:
 
 def image_runtimes(run: AsyncGRPORun) -> dict[str, ImageRuntime]:
     """Each image of the run -> the interpreter that stands for it and its Dockerfile's ENV.
-    The trainer and sandbox images are this project's venv; the vLLM image the vLLM venv."""
+    The trainer, sandbox and operator (bucket Job) images are this project's venv; the vLLM
+    image the vLLM venv."""
     here = str(Path(sys.executable).parent)  # the venv's bin, not the resolved interpreter
     roles = {run.spec.trainer.image: ("trainer", here),
              run.spec.rollout.image: ("vllm", str(vllm_venv() / "bin"))}
+    roles.setdefault(Settings.bucket_job_image, ("operator", here))
     if run.spec.sandboxes is not None:
         roles.setdefault(run.spec.sandboxes.image, ("sandbox", here))
     out = {}
@@ -178,10 +216,13 @@ def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
     sandbox_urls = [f"http://{addresses[p.name]}:{_named_port(p, 'http', ports)}"
                     for p in pods if p.component == sandboxes.COMPONENT]
     for p in pods:
+        mine = overrides.setdefault(p.name, {})
         if p.component == gateway.COMPONENT:  # no pod watch: the members are known here
-            overrides[p.name] = {GATEWAY_MEMBERS_ENV: ",".join(sandbox_urls)}
+            mine[GATEWAY_MEMBERS_ENV] = ",".join(sandbox_urls)
         if p.component == trainer.COMPONENT and max_steps is not None:  # --max-steps
-            overrides[p.name] = {MAX_STEPS_ENV: str(max_steps)}
+            mine[MAX_STEPS_ENV] = str(max_steps)
+        if any(c.get("terminationMessagePath") for c in p.spec["containers"]):
+            mine[TERMINATION_LOG_ENV] = str(termination_log(workdir, p))
     return LocalPlacement(
         images=image_runtimes(run),
         addresses=addresses,

@@ -144,30 +144,22 @@ class TestCluster:
         self._wait_ready(timeout)
         if self.with_controller_manager and "kube-controller-manager" in bins:
             self._spawn("kube-controller-manager", [
-                str(bins["kube-controller-manager"]),
-                "--kubeconfig", str(self.kubeconfig),
+                str(bins["kube-controller-manager"]), *self._client_args(),
                 "--authentication-kubeconfig", str(self.kubeconfig),
                 "--authorization-kubeconfig", str(self.kubeconfig),
-                "--bind-address", "127.0.0.1",
-                "--secure-port", "0",
-                "--port", "0",
-                "--leader-elect=false",
                 "--controllers", "*,-csrsigning,-csrapproving,-csrcleaner,-nodeipam,-ttl",
                 "--service-account-private-key-file", str(pki / "sa.key"),
                 "--root-ca-file", str(pki / "serving" / "apiserver.crt"),
                 "--concurrent-gc-syncs", "4",
             ])
         if self.for_node and "kube-scheduler" in bins:
-            self._spawn("kube-scheduler", [
-                str(bins["kube-scheduler"]),
-                "--kubeconfig", str(self.kubeconfig),
-                "--authentication-kubeconfig", str(self.kubeconfig),
-                "--authorization-kubeconfig", str(self.kubeconfig),
-                "--bind-address", "127.0.0.1",
-                "--secure-port", "0",
-                "--port", "0",
-                "--leader-elect=false",
-            ])
+            self._spawn("kube-scheduler", [str(bins["kube-scheduler"]), *self._client_args()])
+
+    def _client_args(self) -> list[str]:
+        """What the controller-manager and the scheduler share: the admin kubeconfig, one
+        replica (no leader election), no serving ports (nothing scrapes or probes them)."""
+        return ["--kubeconfig", str(self.kubeconfig), "--leader-elect=false",
+                "--bind-address", "127.0.0.1", "--secure-port", "0", "--port", "0"]
 
     def _make_keys(self, pki: Path) -> None:
         if (pki / "sa.key").exists():

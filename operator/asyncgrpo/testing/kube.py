@@ -1,11 +1,79 @@
-"""Small helpers for tests and benchmarks that talk to the test cluster."""
+"""Small helpers for tests and benchmarks that talk to the test cluster: the admin's client
+(the operator's own `controller.kube.Kube` plus what tests read besides), the CRD, and the
+kubelet's part for pods no node runs."""
 
 from __future__ import annotations
 
 import time
+import uuid
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import yaml
+
+from asyncgrpo.controller.kube import Kube, path, request
+
+
+class Api(Kube):
+    """The operator's client (`controller.kube.Kube`: paths, requests, `get`, `delete`) as
+    the test cluster's admin, with what tests need besides: any URL, lists, merge patches
+    of subresources, namespaces, conditions, events, the API server's request counters.
+    `create` raises on a conflict (a test's object that already exists is a test bug)."""
+
+    def call(self, method: str, url: str, body: Any = None, query: list | None = None,
+             content_type: str = "application/json") -> Any:
+        return self._call(method, url, body, content_type, query)
+
+    def create(self, obj: dict) -> dict:
+        return self.call("POST", path(obj["kind"], obj["metadata"]["namespace"]), body=obj)
+
+    def list(self, kind: str, ns: str, selector: str | None = None) -> list[dict]:
+        q = [("labelSelector", selector)] if selector else []
+        return self.call("GET", path(kind, ns), query=q)["items"]
+
+    def merge_patch(self, kind: str, ns: str, name: str, body: dict, sub: str = "") -> dict:
+        """A JSON merge patch of `body` on the object or its subresource `sub` ("/status")."""
+        return self.call("PATCH", path(kind, ns, name) + sub, body=body,
+                         content_type="application/merge-patch+json")
+
+    def namespace(self, prefix: str = "t") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        self.call("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace",
+                                                       "metadata": {"name": name}})
+        return name
+
+    def run(self, ns: str, name: str) -> dict:
+        return self.get("AsyncGRPORun", ns, name) or {}
+
+    def condition(self, ns: str, name: str, type_: str) -> dict:
+        for c in (self.run(ns, name).get("status") or {}).get("conditions") or []:
+            if c["type"] == type_:
+                return c
+        return {}
+
+    def events(self, ns: str, name: str) -> list[dict]:
+        return [e for e in self.call("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+                if e["involvedObject"].get("name") == name]
+
+    def write_requests(self, resources: set[str]) -> dict[tuple[str, str], int]:
+        """The API server's own count of write requests on `resources` (all clients), by
+        (verb, resource)."""
+        text = self.call_text("/metrics")
+        total: dict[tuple[str, str], int] = {}
+        for line in text.splitlines():
+            if not line.startswith("apiserver_request_total{"):
+                continue
+            labels = dict(kv.split("=", 1) for kv in
+                          line[line.index("{") + 1:line.index("}")].replace('"', "").split(","))
+            if labels.get("verb") in ("POST", "PUT", "PATCH", "DELETE", "APPLY") \
+                    and labels.get("resource") in resources:
+                k = (labels["verb"], labels["resource"])
+                total[k] = total.get(k, 0) + int(float(line.rsplit(" ", 1)[1]))
+        return total
+
+    def call_text(self, url: str) -> str:
+        return request(self.api, "GET", url, raw=True).decode()
 
 
 def install_crd(dynamic_client, path: Path, timeout: float = 30.0) -> None:
@@ -31,3 +99,55 @@ def install_crd(dynamic_client, path: Path, timeout: float = 30.0) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"CRD {name} not Established after {timeout}s")
+
+
+# ---------------------------------------------------------------- playing the kubelet
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod_status(phase: str = "Running", ready: bool = True, waiting: str | None = None,
+               terminated: int | None = None, restarts: int = 0,
+               unschedulable: bool = False) -> dict:
+    t = now()
+    if unschedulable:
+        return {"status": {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+             "lastTransitionTime": t}]}}
+    state: dict = {"running": {"startedAt": t}}
+    if waiting:
+        state = {"waiting": {"reason": waiting, "message": f"{waiting}: test"}}
+    if terminated is not None:
+        state = {"terminated": {"exitCode": terminated, "reason": "Completed"
+                                if terminated == 0 else "Error", "startedAt": t, "finishedAt": t}}
+    return {"status": {
+        "phase": phase,
+        "podIP": "10.0.0.1",
+        "startTime": t,
+        "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": t},
+                       {"type": "Ready", "status": "True" if ready else "False",
+                        "lastTransitionTime": t},
+                       {"type": "ContainersReady", "status": "True" if ready else "False",
+                        "lastTransitionTime": t}],
+        "containerStatuses": [{"name": "c", "ready": ready, "restartCount": restarts,
+                               "image": "x", "imageID": "", "state": state}],
+    }}
+
+
+def kubelet(api: Api, ns: str, selector: str, **status: Any) -> list[str]:
+    """Set the status of every pod matching `selector`, as a kubelet would; returns names."""
+    names = []
+    for pod in api.list("Pod", ns, selector):
+        body = pod_status(**status)
+        for cs in body["status"].get("containerStatuses", []):
+            cs["name"] = pod["spec"]["containers"][0]["name"]
+        api.merge_patch("Pod", ns, pod["metadata"]["name"], body, "/status")
+        names.append(pod["metadata"]["name"])
+    return names
+
+
+def component(run: str, c: str) -> str:
+    return f"asyncgrpo.dev/run={run},app.kubernetes.io/component={c}"

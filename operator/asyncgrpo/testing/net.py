@@ -1,29 +1,7 @@
-"""Ports for the real servers that tests and benchmarks start (loopback unless told)."""
+"""Ports for the real servers that tests and benchmarks start: the product's own helpers
+(`asyncgrpo.local.net`, which the local backend needs to place its pods), named here too so
+that tests import every piece of scaffolding from `asyncgrpo.testing`."""
 
-from __future__ import annotations
+from asyncgrpo.local.net import free_port, listening, wait_for_port
 
-import socket
-import subprocess
-import time
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` (loopback by default) right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None,
-                  host: str = "127.0.0.1") -> None:
-    """Wait until something accepts connections on `host`:`port`; fail early if `proc`
-    (the server being waited for) exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        with socket.socket() as s:
-            if s.connect_ex((host, port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
+__all__ = ["free_port", "listening", "wait_for_port"]

@@ -175,62 +175,88 @@ def _weight_store(store):
 
 def run_trainer(run, env: RuntimeEnv | None = None) -> int:
     """Train the run to its last step (or ASYNCGRPO_MAX_STEPS); returns an exit code."""
-    import torch
-
-    from asyncgrpo.adapters.probe import probe_token_ids
     from asyncgrpo.trainer import patches
-    from asyncgrpo.trainer.data import load_dataset
-    from asyncgrpo.trainer.distributed import distributed_config, init_process_group
-    from asyncgrpo.trainer.grpo import S3AdapterGRPOTrainer
-    from asyncgrpo.trainer.metrics import TrainerMetrics
-    from asyncgrpo.trainer.rewards import build_rewards
+    from asyncgrpo.trainer.distributed import init_process_group
 
     env = env or RuntimeEnv.from_env()
     patches.apply()
-    cuda = torch.cuda.is_available()
+    cuda = _cuda()
     top = init_process_group(env.topology, "cuda" if cuda else "cpu")
     if top.world_size != run.world_size:
         log.warning("torchrun started %d processes but the run asks for %d (replicas x "
                     "gpusPerReplica); sharding follows torchrun", top.world_size, run.world_size)
     env.work_dir.mkdir(parents=True, exist_ok=True)
+    metrics, pod_endpoint = _endpoints(run, env, top)
+
+    store, checkpoints, data_bucket = _bucket_parts(run, env, metrics)
+    latest = checkpoints.latest()
+    resume_dir = None
+    if latest is not None:
+        resume_dir = str(checkpoints.download(latest, env.work_dir / "resume"))
+        log.info("resuming from checkpoint step %d", latest)
+    trainer = _build_trainer(run, env, top.world_size, cuda, store, checkpoints, data_bucket,
+                             metrics)
+    trainer.resumed_from_step = latest
+    try:
+        trainer.train(resume_from_checkpoint=resume_dir)
+        if top.is_main:
+            write_termination_message(int(trainer.state.global_step), int(trainer.model_version))
+    finally:
+        trainer._write_status()
+        if pod_endpoint is not None:
+            pod_endpoint.close()
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _endpoints(run, env: RuntimeEnv, top):
+    """(the training metrics, on global rank 0 only; this pod's HTTP endpoint, if this
+    process serves it). One endpoint per pod (local rank 0): rank 0's has the training
+    numbers, the others answer their pod's readiness probe and a scrape."""
+    from asyncgrpo.trainer.metrics import TrainerMetrics
 
     metrics = TrainerMetrics() if top.is_main else None
-    # one endpoint per pod (local rank 0): rank 0's has the training numbers, the others
-    # answer their pod's readiness probe and a scrape
     pod_endpoint = metrics if metrics is not None else (
         TrainerMetrics.for_node(top.rank) if top.local_rank == 0 else None)
     port = run.spec.trainer.metrics_port if env.metrics_port is None else env.metrics_port
     if pod_endpoint is not None and port:
         bound = pod_endpoint.serve(port)
         log.info("metrics on :%d/metrics, hints on :%d/status", bound, bound)
+    return metrics, pod_endpoint
 
-    store, checkpoints, data_bucket = _bucket_parts(run, env, metrics)
+
+def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, checkpoints,
+                   data_bucket, metrics):
+    """The TRL trainer with our tree packing, S3 adapters and checkpoints, from the run."""
     from transformers import AutoTokenizer
+
+    from asyncgrpo.adapters.probe import probe_token_ids
+    from asyncgrpo.trainer.data import load_dataset
+    from asyncgrpo.trainer.distributed import distributed_config
+    from asyncgrpo.trainer.grpo import S3AdapterGRPOTrainer
+    from asyncgrpo.trainer.rewards import build_rewards
 
     spec = run.spec
     tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
-    dataset = load_dataset(run, bucket=data_bucket)
     args = trl_config(run, env, use_cpu=not cuda)
-    dist_cfg = distributed_config(top.world_size, spec.trainer.fsdp_size,
+    dist_cfg = distributed_config(world_size, spec.trainer.fsdp_size,
                                   spec.trainer.expert_parallel_size, spec.model.moe)
     if dist_cfg is not None:
         args.model_init_kwargs = {"distributed_config": dist_cfg}
     env_factory = environment_factory(run, env)
     if env_factory is not None:
         args.max_tool_calling_iterations = spec.harness.max_turns
-
-    resume_dir = None
-    latest = checkpoints.latest()
-    if latest is not None:
-        resume_dir = str(checkpoints.download(latest, env.work_dir / "resume"))
-        log.info("resuming from checkpoint step %d", latest)
-
     lora = spec.model.finetuning == "lora"
-    trainer = S3AdapterGRPOTrainer(
+    return S3AdapterGRPOTrainer(
         model=spec.model.name,
         reward_funcs=build_rewards(spec.reward),
         args=args,
-        train_dataset=dataset,
+        train_dataset=load_dataset(run, bucket=data_bucket),
         processing_class=tokenizer,
         peft_config=lora_config(spec) if lora else None,
         environment_factory=env_factory,
@@ -250,16 +276,6 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
         weight_store=None if lora else _weight_store(store),
         anchor_interval=spec.model.full.anchor_interval,
     )
-    trainer.resumed_from_step = latest
-    try:
-        trainer.train(resume_from_checkpoint=resume_dir)
-        if top.is_main:
-            write_termination_message(int(trainer.state.global_step), int(trainer.model_version))
-    finally:
-        trainer._write_status()
-        if pod_endpoint is not None:
-            pod_endpoint.close()
-    return 0
 
 
 def write_termination_message(step: int, policy_version: int,

@@ -1,9 +1,12 @@
 """Prometheus metrics `asyncgrpo_trainer_*` and the status hints, on one port (rank 0).
 
-`GET /metrics` is the Prometheus exposition; `GET /status` is a small JSON document the
-operator (or a person with curl) reads to raise run conditions: step, policy version and
-hints such as `ServedPolicyMatches=False` with a reason. The hints are not the run status
-themselves: only the operator writes the AsyncGRPORun; the trainer says what it saw.
+`GET /metrics` is the Prometheus exposition, and what the operator scrapes
+(`controller.progress` reads the metric names below from rank 0's `/metrics`, at
+`Settings.trainer_metrics_url`) to fill the run's status and raise its conditions.
+`GET /status` is a small JSON document for a person with curl: step, policy version and
+hints such as `ServedPolicyMatches=False` with a reason; no controller reads it. The hints
+are not the run status themselves: only the operator writes the AsyncGRPORun; the trainer
+says what it saw.
 
 Units are in the names. Names are part of the API (dashboards, alerts): see docs/trainer.md.
 Each trainer process has its own registry so tests can run several in one interpreter.
@@ -22,6 +25,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from asyncgrpo.wire import BIND_HOST_ENV
 
 PREFIX = "asyncgrpo_trainer_"
 
@@ -139,9 +144,9 @@ class TrainerMetrics:
 
     def serve(self, port: int, host: str | None = None) -> int:
         """Serve /metrics and /status in a daemon thread; returns the bound port. The host
-        defaults to ASYNCGRPO_BIND_HOST (the local backend's pod address), else all
+        defaults to `wire.BIND_HOST_ENV` (the local backend's pod address), else all
         interfaces."""
-        host = host or os.environ.get("ASYNCGRPO_BIND_HOST") or "0.0.0.0"
+        host = host or os.environ.get(BIND_HOST_ENV) or "0.0.0.0"
         metrics = self
 
         class Handler(BaseHTTPRequestHandler):

@@ -18,10 +18,7 @@ filler row's inert term out of loss and metrics, and logs mean metrics as (sum, 
 pairs (see `objective`). On a single even micro-batch it equals TRL's `compute_loss`
 exactly (tests/tree/test_trl_integration.py).
 
-How the trainer runtime uses it (one of):
-
-    from asyncgrpo.trainer.tree import trl_integration
-    trl_integration.install()           # process-wide, before building the trainer
+How the trainer runtime uses it (`asyncgrpo.trainer.grpo.S3AdapterGRPOTrainer`):
 
     from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
     class Trainer(TreePackingMixin, AsyncGRPOTrainer): ...
@@ -59,18 +56,11 @@ BATCH_FIELDS = (
 )
 
 
-#: The trainer methods tree packing replaces (see `TreePackingMixin`).
-_OVERRIDES = ("get_train_dataloader", "compute_loss", "_set_signature_columns_if_needed", "get_batch_samples")
-
-#: TRL's own methods, kept by `install()` before it replaces them on the class.
-_UPSTREAM: dict[str, Any] = {}
-
-
 def _trl_compute_loss():
-    """TRL's own `compute_loss`, also while `install()` has replaced it (the parity test compares with it)."""
+    """TRL's own `compute_loss` (the parity test compares with it)."""
     from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 
-    return _UPSTREAM.get("compute_loss", AsyncGRPOTrainer.compute_loss)
+    return AsyncGRPOTrainer.compute_loss
 
 
 def check_trl_version() -> None:
@@ -328,56 +318,12 @@ def tree_compute_loss(trainer, model, inputs: dict[str, torch.Tensor], return_ou
     return loss
 
 
-def install() -> None:
-    """Process-wide: every `AsyncGRPOTrainer` (and subclass) built afterwards trains on tree rows.
-
-    Puts `TreePackingMixin`'s four methods on TRL's class and wraps its `__init__` to call
-    `install_tree_packing` on the finished model. A subclass that overrides one of these
-    methods keeps its own. Idempotent.
-    """
-    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
-
-    check_trl_version()
-    if getattr(AsyncGRPOTrainer, "_asyncgrpo_tree_installed", False):
-        return
-    upstream_init = AsyncGRPOTrainer.__init__
-
-    def __init__(self, *args, **kwargs):
-        upstream_init(self, *args, **kwargs)
-        install_tree_packing(self.model, temperature=self.temperature)
-
-    __init__.__wrapped__ = upstream_init
-    AsyncGRPOTrainer.__init__ = __init__
-    for name in _OVERRIDES:
-        # None: inherited from transformers' Trainer, so uninstall deletes ours rather than copy it.
-        _UPSTREAM[name] = AsyncGRPOTrainer.__dict__.get(name)
-        setattr(AsyncGRPOTrainer, name, TreePackingMixin.__dict__[name])
-    AsyncGRPOTrainer.samples_per_plan = None
-    AsyncGRPOTrainer._asyncgrpo_tree_installed = True
-
-
-def uninstall() -> None:
-    """Undo `install()` (for tests that share a process with code expecting TRL as shipped)."""
-    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
-
-    if not AsyncGRPOTrainer.__dict__.get("_asyncgrpo_tree_installed", False):
-        return
-    AsyncGRPOTrainer.__init__ = AsyncGRPOTrainer.__init__.__wrapped__
-    for name, method in _UPSTREAM.items():
-        if method is None:
-            delattr(AsyncGRPOTrainer, name)
-        else:
-            setattr(AsyncGRPOTrainer, name, method)
-    _UPSTREAM.clear()
-    del AsyncGRPOTrainer.samples_per_plan
-    del AsyncGRPOTrainer._asyncgrpo_tree_installed
-
-
 class TreePackingMixin:
     """Mix in before `AsyncGRPOTrainer` to train on tree-packed rows with our attention.
 
     Overrides exactly the places where TRL 1.16.0 plans, packs, scores and groups a step's
-    micro-batches (`_OVERRIDES`); the rollout worker, weight sync, optimizer and logging are TRL's. `samples_per_plan` defaults to one
+    micro-batches (`get_train_dataloader`, `compute_loss`, `_set_signature_columns_if_needed`,
+    `get_batch_samples`); the rollout worker, weight sync, optimizer and logging are TRL's. `samples_per_plan` defaults to one
     optimizer step of samples when the subclass does not set it.
     """
 
@@ -397,14 +343,8 @@ class TreePackingMixin:
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """transformers' prefetch of one optimizer step's micro-batches, then the step's totals stamped
-        into each (`objective.stamp_step`), so every micro-batch is normalised by the whole step.
-
-        Calls `transformers.Trainer`'s method by name (TRL does not override it), so that it
-        also works when `install()` puts it on TRL's class, where `super()` would not.
-        """
-        from transformers import Trainer
-
-        batches, num_items = Trainer.get_batch_samples(self, epoch_iterator, num_batches, device)
+        into each (`objective.stamp_step`), so every micro-batch is normalised by the whole step."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         objective.stamp_step(batches)
         return batches, num_items
 

@@ -15,11 +15,12 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from asyncgrpo.testing import waiting
 
 REPO = Path(__file__).resolve().parents[2]
 #: the tag `make images` gave the project's images (hack/images-lib.sh: the same variable)
@@ -141,16 +142,9 @@ class Stack:
 
 
 def wait_for(what: str, fn, timeout: float, interval: float = 2.0, on_timeout=None):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    extra = on_timeout() if on_timeout else ""
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}\n"
-                         f"{extra}")
+    """asyncgrpo.testing.waiting.wait_for with the e2e's argument order; errors in `fn`
+    are not retried here (kubectl failures are reported, not waited out)."""
+    return waiting.wait_for(fn, timeout, interval, what, retry_on=(), on_timeout=on_timeout)
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,11 @@ NOT_YET: tuple[type[BaseException], ...] = (AssertionError, KeyError, TypeError)
 
 def wait_for(fn: Callable[[], T], timeout: float = 30.0, interval: float = 0.2,
              what: str = "condition",
-             retry_on: tuple[type[BaseException], ...] = NOT_YET) -> T:
+             retry_on: tuple[type[BaseException], ...] = NOT_YET,
+             on_timeout: Callable[[], str] | None = None) -> T:
     """Poll `fn` until it returns a truthy value and return it; after `timeout` seconds an
-    AssertionError names `what` and the last value or error."""
+    AssertionError names `what` and the last value or error, followed by `on_timeout()`
+    (what a person would look at: objects, events, logs)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -29,4 +31,5 @@ def wait_for(fn: Callable[[], T], timeout: float = 30.0, interval: float = 0.2,
         except retry_on as e:   # not there yet
             last = e
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+    extra = f"\n{on_timeout()}" if on_timeout else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}{extra}")

@@ -1,0 +1,144 @@
+"""What travels between sandbox clients, the gateway and the sandbox servers: one definition each.
+
+The client builds an exec from `ExecRequest`, the gateway reads the same model to cap a
+proxied exec's timeout, the server validates it; results come back as `ExecResult`,
+`ReadResult`, `WriteResult`, and errors as `ApiError` (status, machine-readable `error`,
+human `detail`). Results index like the dicts they used to be (`r["exit_code"]`), so
+code written against the old dict answers keeps working.
+
+The streamed exec (`/v1/exec/stream`, large stdin) sends one line of `ExecRequest` JSON,
+a newline, then stdin as raw bytes to the end of the body: `stream_head` builds that line.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+#: content type of a streamed exec's body: a JSON line, then raw stdin
+EXEC_STREAM_TYPE = "application/x-asyncgrpo-exec-stream"
+Encoding = Literal["utf-8", "base64"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Answer(BaseModel):
+    """A result: attributes, and `r["key"]`/`r.get` for callers written against dicts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+
+# requests -----------------------------------------------------------------------------
+class ExecRequest(_Strict):
+    command: str | list[str] = Field(description="shell string (run by the server's shell) or argv")
+    timeout_seconds: float | None = Field(None, gt=0)
+    stdin: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = Field(None, description="directory relative to the session directory")
+    session: str | None = None
+    max_output_bytes: int | None = Field(None, ge=0)
+    output_encoding: Encoding = Field(
+        "utf-8", description="base64: stdout/stderr exactly as written (binary-safe); utf-8: decoded, "
+        "invalid bytes replaced")
+
+    @field_validator("command")
+    @classmethod
+    def _non_empty(cls, v):
+        if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
+            raise ValueError("command is empty")
+        if isinstance(v, list) and any("\x00" in a for a in v) or isinstance(v, str) and "\x00" in v:
+            raise ValueError("command contains NUL")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v):
+        for k, val in v.items():
+            if not _ENV_NAME.match(k) or "\x00" in val:
+                raise ValueError(f"invalid environment variable {k!r}")
+        return v
+
+    def body(self) -> dict:
+        """The JSON body: only what was set, so the server's defaults apply to the rest."""
+        return self.model_dump(exclude_unset=True)
+
+    def stream_head(self) -> bytes:
+        """The first line of a streamed exec's body (stdin follows it raw)."""
+        return self.model_dump_json(exclude_unset=True, exclude={"stdin"}).encode() + b"\n"
+
+
+class ReadRequest(_Strict):
+    path: str
+    session: str | None = None
+    max_bytes: int | None = Field(None, ge=0)
+    encoding: Encoding = "utf-8"
+
+
+class WriteRequest(_Strict):
+    path: str
+    content: str
+    session: str | None = None
+    encoding: Encoding = "utf-8"
+    mode: int = Field(0o644, ge=0, le=0o777)
+
+
+class ResetRequest(_Strict):
+    lease_secret: str | None = Field(None, min_length=16, max_length=256,
+                                     description="secret of the next lease, accepted once the reset is done")
+
+
+class LeaseRequest(_Strict):
+    group_id: str = Field(min_length=1, max_length=256)
+    wait_seconds: float | None = Field(None, ge=0)
+
+
+# results ------------------------------------------------------------------------------
+class ExecResult(_Answer):
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    output_encoding: Encoding = "utf-8"
+    stdout_truncated: bool
+    stderr_truncated: bool
+    stdout_bytes: int
+    stderr_bytes: int
+    timed_out: bool
+    duration_seconds: float
+
+
+class ReadResult(_Answer):
+    path: str
+    content: str
+    size: int
+    truncated: bool
+    encoding: Encoding = "utf-8"
+
+
+class WriteResult(_Answer):
+    path: str
+    bytes: int
+
+
+# errors -------------------------------------------------------------------------------
+class ApiError(HTTPException):
+    """A refusal with a reason: `{"detail": {"error": ..., "detail": ...}}` on the wire (FastAPI's
+    envelope for handler errors); the clients unwrap it into `SandboxError` and its kinds."""
+
+    def __init__(self, status: int, error: str, detail: Any = "", headers: dict[str, str] | None = None):
+        super().__init__(status, detail={"error": error, "detail": detail}, headers=headers)
+        self.error = error

@@ -13,6 +13,7 @@ a newline, then stdin as raw bytes to the end of the body: `stream_head` builds 
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import HTTPException
@@ -142,3 +143,18 @@ class ApiError(HTTPException):
     def __init__(self, status: int, error: str, detail: Any = "", headers: dict[str, str] | None = None):
         super().__init__(status, detail={"error": error, "detail": detail}, headers=headers)
         self.error = error
+
+
+async def read_stream_head(chunks: AsyncIterator[bytes], cap: int) -> tuple[bytes, bytes]:
+    """(the first line of a streamed body, the bytes after it); 413 past `cap` without one."""
+    buf = bytearray()
+    async for chunk in chunks:
+        buf += chunk
+        line_end = buf.find(b"\n")
+        if line_end >= 0:
+            return bytes(buf[:line_end]), bytes(buf[line_end + 1 :])
+        if len(buf) > cap:
+            break
+    if len(buf) > cap:
+        raise ApiError(413, "too_large", f"the request line of a streamed exec is over {cap} bytes")
+    raise ApiError(400, "bad_request", "a streamed exec's body starts with one line of JSON and a newline")

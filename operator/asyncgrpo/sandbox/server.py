@@ -47,7 +47,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from asyncgrpo.sandbox.cgroup import CommandCgroup
-from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, grant_of, loads, parse_body, validate
+from asyncgrpo.sandbox.http_guard import (
+    Grant,
+    GuardMiddleware,
+    Refused,
+    grant_of,
+    loads,
+    parse_body,
+    validate,
+)
 from asyncgrpo.sandbox.messages import (
     ApiError,
     ExecRequest,
@@ -57,6 +65,7 @@ from asyncgrpo.sandbox.messages import (
     ResetRequest,
     WriteRequest,
     WriteResult,
+    read_stream_head,
 )
 from asyncgrpo.sandbox.metrics import SandboxMetrics
 from asyncgrpo.sandbox.process import CommandLimits, Revoked, Runner, use_pidfd_child_watcher
@@ -189,21 +198,6 @@ def _refused(err: Exception) -> ApiError:
     return ApiError(400, "path_refused", str(err))
 
 
-async def read_stream_head(chunks: AsyncIterator[bytes], cap: int) -> tuple[bytes, bytes]:
-    """(the first line of a streamed body, the bytes after it); 413 past `cap` without one."""
-    buf = bytearray()
-    async for chunk in chunks:
-        buf += chunk
-        line_end = buf.find(b"\n")
-        if line_end >= 0:
-            return bytes(buf[:line_end]), bytes(buf[line_end + 1 :])
-        if len(buf) > cap:
-            break
-    if len(buf) > cap:
-        raise ApiError(413, "too_large", f"the request line of a streamed exec is over {cap} bytes")
-    raise ApiError(400, "bad_request", "a streamed exec's body starts with one line of JSON and a newline")
-
-
 class SandboxServer:
     """One sandbox's state (workspace, commands, lease gate, quota) and its HTTP routes."""
 
@@ -270,7 +264,7 @@ class SandboxServer:
             if self.dirty or self.metrics.in_flight._value.get() > 0:
                 try:
                     await self.enforce_quota()
-                except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+                except Exception:  # the loop must outlive any one failure
                     log.exception("workspace quota check failed")
 
     # quota ------------------------------------------------------------------------------

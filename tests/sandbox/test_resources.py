@@ -18,7 +18,14 @@ import pytest
 from asyncgrpo.sandbox.client import GatewayClient
 from asyncgrpo.sandbox.messages import EXEC_STREAM_TYPE, ExecRequest
 from asyncgrpo.sandbox.quota import disk_usage
-from tests.sandbox.conftest import GW_TOKEN, lease_client, reset, start_gateway, start_sandbox, wait_until
+from tests.sandbox.conftest import (
+    GW_TOKEN,
+    lease_client,
+    reset,
+    start_gateway,
+    start_sandbox,
+    wait_until,
+)
 
 MiB = 1 << 20
 

@@ -3,8 +3,9 @@
 Errors are typed so callers can act on them: `LeaseLost` means the group's sandbox state is
 gone (lease again, tell the model), `NoSandbox` means the pool had nothing free in time
 (retry later), anything else is a `SandboxError` with the server's error code.
-A `Heartbeats` thread keeps leases alive while a rollout thinks between tool calls; when the
-process dies the heartbeats stop and the gateway takes the sandbox back after its TTL.
+A `Heartbeats` thread keeps leases alive while a rollout thinks between tool calls (all of a
+process's leases in one `/v1/heartbeats` call per interval); when the process dies the
+heartbeats stop and the gateway takes the sandbox back after its TTL.
 
 A lease is a capability: its `secret` is the credential of every call on it, and the
 gateway token is sent only to take a lease. When the gateway runs the direct data path the
@@ -183,6 +184,27 @@ class GatewayClient:
             self._forget(lease)
             raise
 
+    def heartbeat_many(self, leases: Iterable[Lease | str]) -> dict[str, str]:
+        """Beat every lease in one call; returns the ended ones, each with its error code
+        (they are forgotten here: their files are gone, the caller leases again)."""
+        held: list[Lease] = []
+        ended: dict[str, str] = {}
+        for lease in leases:
+            try:
+                held.append(self._lease_of(lease))
+            except LeaseLost as err:
+                ended[lease if isinstance(lease, str) else lease.lease_id] = err.error
+        if not held:
+            return ended
+        body = {"leases": [{"lease_id": x.lease_id, "secret": x.secret} for x in held]}
+        answers = _raise_for(self.http.post(f"{self.url}/v1/heartbeats", json=body, headers=self._control))["leases"]
+        for lease in held:
+            error = answers.get(lease.lease_id, {}).get("error")
+            if error in _LEASE_GONE:
+                ended[lease.lease_id] = error
+                self._forget(lease)
+        return ended
+
     def release(self, lease: Lease | str, all_holders: bool = False) -> dict:
         lease = self._lease_of(lease)
         params = {"all": "true"} if all_holders else None
@@ -351,10 +373,11 @@ class Heartbeats:
             with self._cond:
                 self._cond.wait(self.interval)
                 leases = list(self.leases)
-            for lease_id in leases:
-                try:
-                    self.client.heartbeat(lease_id)
-                except LeaseLost:
-                    self.discard(lease_id)
-                except Exception:  # noqa: BLE001, S110 - gateway briefly away: next beat is within TTL
-                    pass
+            if not leases:
+                continue
+            try:
+                ended = self.client.heartbeat_many(leases)
+            except Exception:  # noqa: BLE001, S112 - gateway briefly away: next beat is within TTL
+                continue
+            for lease_id in ended:
+                self.discard(lease_id)

@@ -37,7 +37,13 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
-from asyncgrpo.sandbox.messages import EXEC_STREAM_TYPE, ExecRequest, LeaseRequest, read_stream_head
+from asyncgrpo.sandbox.messages import (
+    EXEC_STREAM_TYPE,
+    ExecRequest,
+    HeartbeatsRequest,
+    LeaseRequest,
+    read_stream_head,
+)
 from asyncgrpo.sandbox.metrics import GatewayMetrics
 from asyncgrpo.sandbox.pool import LeaseGone, Member, NoSandbox, Pool
 
@@ -71,6 +77,10 @@ class GatewaySettings:
             raise ValueError(f"data_path must be 'direct' or 'proxied', not {self.data_path!r}")
 
 
+_GONE_ERRORS = {"released": "lease_released", "expired": "lease_expired", "sandbox_lost": "sandbox_lost",
+                "unknown": "lease_unknown"}
+
+
 def _gone(err: LeaseGone) -> JSONResponse:
     detail = {
         "released": "the lease was released",
@@ -79,8 +89,8 @@ def _gone(err: LeaseGone) -> JSONResponse:
         "unknown": "no such lease",
     }[err.reason]
     status = 404 if err.reason == "unknown" else 410
-    return JSONResponse({"error": f"lease_{err.reason}" if err.reason != "sandbox_lost" else "sandbox_lost",
-                         "detail": detail, "lease_id": err.lease_id}, status_code=status)
+    return JSONResponse({"error": _GONE_ERRORS[err.reason], "detail": detail, "lease_id": err.lease_id},
+                        status_code=status)
 
 
 class _Upstream:
@@ -143,6 +153,7 @@ class Gateway:
         for method, path, handler in (
             ("POST", "/v1/leases", self.lease),
             ("POST", "/v1/leases/{lease_id}/heartbeat", self.heartbeat),
+            ("POST", "/v1/heartbeats", self.heartbeats),
             ("DELETE", "/v1/leases/{lease_id}", self.release),
             ("POST", "/v1/leases/{lease_id}/lost", self.report_lost),
             ("POST", "/v1/leases/{lease_id}/exec", self.exec_),
@@ -289,6 +300,20 @@ class Gateway:
         except LeaseGone as err:
             return _gone(err)
         return {"lease_id": lease_id, "holders": lease.holders, "ttl_seconds": self.settings.lease_ttl_seconds}
+
+    async def heartbeats(self, request: Request):
+        """Each lease beaten if its secret opens it, else its end reason (or `unauthorized`)."""
+        req = await parse_body(request, HeartbeatsRequest)
+        out: dict[str, dict] = {}
+        for held in req.leases:
+            verdict = self.pool.check(held.lease_id, held.secret)
+            if verdict == "ok":
+                out[held.lease_id] = {"holders": self.pool.touch(held.lease_id).holders}
+            elif verdict == "refused":
+                out[held.lease_id] = {"error": "unauthorized"}
+            else:
+                out[held.lease_id] = {"error": _GONE_ERRORS[verdict]}
+        return {"ttl_seconds": self.settings.lease_ttl_seconds, "leases": out}
 
     async def release(self, lease_id: str, all: bool = False):
         try:

@@ -108,6 +108,18 @@ class LeaseRequest(_Strict):
     wait_seconds: float | None = Field(None, ge=0)
 
 
+class HeldLease(_Strict):
+    lease_id: str = Field(min_length=1, max_length=256)
+    secret: str = Field(min_length=1, max_length=256)
+
+
+class HeartbeatsRequest(_Strict):
+    """Many leases' heartbeats in one call (`POST /v1/heartbeats`): a process beats every
+    lease it holds at once, so the gateway's cost per lease is a dict lookup, not a request."""
+
+    leases: list[HeldLease] = Field(max_length=4096)
+
+
 # results ------------------------------------------------------------------------------
 class ExecResult(_Answer):
     exit_code: int | None

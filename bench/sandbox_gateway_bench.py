@@ -13,7 +13,10 @@ each client count C, C concurrent clients each doing rounds of `--execs` trivial
 Per-exec latency is measured at the client (p50, p99); CPU per exec of the gateway and of
 the sandbox servers comes from /proc. The modes run interleaved, round after round, so load
 that drifts on a shared machine hits all of them alike. Last, the gateway's own rate for
-lease operations (join, heartbeat, release of one holder: no sandbox call) per CPU second.
+lease operations (join, heartbeat, release of one holder: no sandbox call) per CPU second,
+one per request and as batched heartbeats (`/v1/heartbeats`, every lease of a process per
+call). CPU per operation is the figure to read on a shared machine; wall-clock rates and
+latencies move with whatever else runs.
 
     .venv/bin/python bench/sandbox_gateway_bench.py --execs 20 --groups 10 --rounds 3
 """
@@ -128,6 +131,33 @@ async def run_lease_ops(gw: str, clients: int, seconds: float) -> int:
 
         await asyncio.gather(*(client(i) for i in range(clients)))
     return ops
+
+
+async def run_batched_heartbeats(gw: str, clients: int, seconds: float) -> tuple[int, int]:
+    """Every client leases one sandbox; one caller beats all of them per `/v1/heartbeats` call,
+    as `client.Heartbeats` does for the leases of one process. Returns (leases beaten, calls)."""
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=clients * 2)) as c:
+        leases = []
+        for i in range(clients):
+            r = await c.post(f"{gw}/v1/leases", json={"group_id": f"hb-{i}-{time.time_ns()}", "wait_seconds": 120},
+                             headers=auth(GW_TOKEN))
+            leases.append(r.json())
+        body = {"leases": [{"lease_id": x["lease_id"], "secret": x["secret"]} for x in leases]}
+        beats = calls = 0
+
+        async def beater() -> None:
+            nonlocal beats, calls
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() < deadline:
+                r = await c.post(f"{gw}/v1/heartbeats", json=body, headers=auth(GW_TOKEN))
+                assert all("holders" in v for v in r.json()["leases"].values()), r.text
+                beats += len(leases)
+                calls += 1
+
+        await asyncio.gather(*(beater() for _ in range(4)))
+        for x in leases:
+            await c.delete(f"{gw}/v1/leases/{x['lease_id']}", headers=auth(x["secret"]))
+    return beats, calls
 
 
 def asgi_heartbeat_cost(n: int = 5000) -> float:
@@ -271,6 +301,14 @@ def main() -> int:
         wall, gw_cpu = time.perf_counter() - t0, cpu([gw_pid]) - c0
         print(f"\nlease operations (join, heartbeat, release; {most} clients): {ops / wall:.0f}/s wall, "
               f"gateway CPU {gw_cpu / ops * 1e3:.3f} ms/op -> {ops / max(gw_cpu, 1e-9):.0f} ops per gateway CPU second")
+        wait_warm(gw, most)
+        c0 = cpu([gw_pid])
+        beats, calls = asyncio.run(run_batched_heartbeats(gw, most, args.lease_ops_seconds))
+        gw_cpu = cpu([gw_pid]) - c0
+        print(f"batched heartbeats ({most} leases per /v1/heartbeats call, {calls} calls): gateway CPU "
+              f"{gw_cpu / beats * 1e3:.3f} ms per lease beaten -> {beats / max(gw_cpu, 1e-9):.0f} per gateway CPU "
+              f"second ({gw_cpu / calls * 1e3:.2f} ms per call)")
+        wait_warm(gw, most)
         per_op = asgi_heartbeat_cost()
         print(f"the gateway's ASGI app alone (no HTTP server): {per_op * 1e6:.0f} us CPU per heartbeat -> "
               f"{1 / per_op:.0f} per CPU second")

@@ -30,15 +30,19 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.exception_handlers import http_exception_handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from starlette.requests import ClientDisconnect
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
 from asyncgrpo.sandbox.messages import (
     EXEC_STREAM_TYPE,
+    ApiError,
     ExecRequest,
     HeartbeatsRequest,
     LeaseRequest,
@@ -132,7 +136,12 @@ _CONNECTION_ERRORS = (aiohttp.ClientError, OSError)
 
 
 class Gateway:
-    """The gateway's state (pool, upstream client, metrics) and its routes, one method each."""
+    """The gateway's state (pool, upstream client, metrics) and its routes, one method each.
+
+    Routed by Starlette, not FastAPI: lease operations are the gateway's own hot path, and
+    FastAPI's per-request signature and dependency work was a large share of the app's CPU
+    per lease operation. Bodies are still validated by the `messages` models (`parse_body`).
+    """
 
     def __init__(self, settings: GatewaySettings, source):
         self.settings = settings
@@ -149,7 +158,7 @@ class Gateway:
 
     # wiring -----------------------------------------------------------------------------
     def asgi(self) -> GuardMiddleware:
-        app = FastAPI(title="asyncgrpo sandbox gateway", lifespan=self._lifespan, docs_url=None, redoc_url=None)
+        routes = []
         for method, path, handler in (
             ("POST", "/v1/leases", self.lease),
             ("POST", "/v1/leases/{lease_id}/heartbeat", self.heartbeat),
@@ -166,7 +175,9 @@ class Gateway:
             ("GET", "/healthz", self.healthz),
             ("GET", "/metrics", self.prom),
         ):
-            app.add_api_route(path, handler, methods=[method], response_model=None)
+            routes.append(Route(path, _json_endpoint(handler), methods=[method]))
+        app = Starlette(routes=routes, lifespan=self._lifespan,
+                        exception_handlers={HTTPException: http_exception_handler})
         app.state.pool = self.pool
         return GuardMiddleware(
             app,
@@ -260,24 +271,27 @@ class Gateway:
         req = await parse_body(request, LeaseRequest)
         s, pool = self.settings, self.pool
         wait = min(s.max_wait_seconds if req.wait_seconds is None else req.wait_seconds, s.max_wait_seconds)
-        acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait))
-        gone = asyncio.ensure_future(_until_disconnected(request))
-        try:
-            # a client that hangs up while waiting gives its place in the queue up
-            await asyncio.wait({acquiring, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not acquiring.done():
-                acquiring.cancel()
-        if acquiring.cancelled():
-            return Response(status_code=499)  # nobody reads it
-        try:
-            lease, joined = acquiring.result()
-        except NoSandbox:
-            return JSONResponse(
-                {"error": "no_sandbox", "detail": f"no sandbox free within {wait:g}s", "demand": _small(pool)},
-                status_code=503, headers={"retry-after": "1"},
-            )
+        hit = pool.try_acquire(req.group_id)  # a join or a warm sandbox: no wait, no tasks
+        if hit is None:
+            acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait))
+            gone = asyncio.ensure_future(_until_disconnected(request))
+            try:
+                # a client that hangs up while waiting gives its place in the queue up
+                await asyncio.wait({acquiring, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not acquiring.done():
+                    acquiring.cancel()
+            if acquiring.cancelled():
+                return Response(status_code=499)  # nobody reads it
+            try:
+                hit = acquiring.result()
+            except NoSandbox:
+                return JSONResponse(
+                    {"error": "no_sandbox", "detail": f"no sandbox free within {wait:g}s", "demand": _small(pool)},
+                    status_code=503, headers={"retry-after": "1"},
+                )
+        lease, joined = hit
         body = {
             "lease_id": lease.id,
             "secret": lease.secret,
@@ -294,7 +308,8 @@ class Gateway:
             body["sandbox_url"] = pool.members[lease.member].url
         return body
 
-    async def heartbeat(self, lease_id: str):
+    async def heartbeat(self, request: Request):
+        lease_id = request.path_params["lease_id"]
         try:
             lease = self.pool.touch(lease_id)
         except LeaseGone as err:
@@ -315,14 +330,17 @@ class Gateway:
                 out[held.lease_id] = {"error": _GONE_ERRORS[verdict]}
         return {"ttl_seconds": self.settings.lease_ttl_seconds, "leases": out}
 
-    async def release(self, lease_id: str, all: bool = False):
+    async def release(self, request: Request):
+        lease_id = request.path_params["lease_id"]
+        all_holders = _query_bool(request, "all")
         try:
-            return self.pool.release(lease_id, all_holders=all)
+            return self.pool.release(lease_id, all_holders=all_holders)
         except LeaseGone as err:
             return _gone(err)
 
-    async def report_lost(self, lease_id: str):
+    async def report_lost(self, request: Request):
         """A direct call to the leased sandbox got no answer in time: check it now, eject if down."""
+        lease_id = request.path_params["lease_id"]
         try:
             lease, member = self.pool.get(lease_id)
         except LeaseGone as err:
@@ -335,11 +353,11 @@ class Gateway:
         return _gone(LeaseGone(lease_id, "sandbox_lost"))
 
     # the proxied data path ---------------------------------------------------------------------
-    async def exec_(self, lease_id: str, request: Request) -> Response:
+    async def exec_(self, request: Request) -> Response:
         body, timeout = self._capped_exec(await request.body())
-        return await self._forward(lease_id, "/v1/exec", body, timeout)
+        return await self._forward(request.path_params["lease_id"], "/v1/exec", body, timeout)
 
-    async def exec_stream(self, lease_id: str, request: Request) -> Response:
+    async def exec_stream(self, request: Request) -> Response:
         """A streamed exec: its first line capped like any exec, then stdin passed on as it comes."""
         chunks = request.stream()
         head, rest = await read_stream_head(chunks, self.settings.max_body_bytes)
@@ -354,13 +372,16 @@ class Gateway:
             except ClientDisconnect:
                 return
 
-        return await self._forward(lease_id, "/v1/exec/stream", body(), timeout, EXEC_STREAM_TYPE)
+        return await self._forward(request.path_params["lease_id"], "/v1/exec/stream", body(), timeout,
+                                   EXEC_STREAM_TYPE)
 
-    async def read(self, lease_id: str, request: Request) -> Response:
-        return await self._forward(lease_id, "/v1/files/read", await request.body(), _FILE_CALL_SECONDS)
+    async def read(self, request: Request) -> Response:
+        body = await request.body()
+        return await self._forward(request.path_params["lease_id"], "/v1/files/read", body, _FILE_CALL_SECONDS)
 
-    async def write(self, lease_id: str, request: Request) -> Response:
-        return await self._forward(lease_id, "/v1/files/write", await request.body(), _FILE_CALL_SECONDS)
+    async def write(self, request: Request) -> Response:
+        body = await request.body()
+        return await self._forward(request.path_params["lease_id"], "/v1/files/write", body, _FILE_CALL_SECONDS)
 
     def _capped_exec(self, raw: bytes) -> tuple[bytes, float]:
         """The exec with its timeout capped at ours, and how long to wait for its answer.
@@ -425,10 +446,10 @@ class Gateway:
         return Response(content, status_code=status, media_type="application/json")
 
     # views and control ---------------------------------------------------------------------------
-    async def demand(self):
+    async def demand(self, _request: Request):
         return self.pool.demand()
 
-    async def pool_view(self):
+    async def pool_view(self, _request: Request):
         """For people and the operator: states and ids, never a secret or a group's name."""
         pool = self.pool
         now = pool.clock()
@@ -446,14 +467,36 @@ class Gateway:
             ],
         }
 
-    async def drain(self, name: str):
-        return self.pool.drain(name)
+    async def drain(self, request: Request):
+        return self.pool.drain(request.path_params["name"])
 
-    async def healthz(self):
+    async def healthz(self, _request: Request):
         return {"status": "ok", "members": len(self.pool.members)}
 
-    async def prom(self) -> Response:
+    async def prom(self, _request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _json_endpoint(handler):
+    """A handler's dict as a JSON response (a Response passes as it is)."""
+    async def endpoint(request: Request) -> Response:
+        out = await handler(request)
+        return out if isinstance(out, Response) else JSONResponse(out)
+
+    return endpoint
+
+
+_TRUE, _FALSE = frozenset({"1", "on", "t", "true", "y", "yes"}), frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _query_bool(request: Request, name: str) -> bool:
+    """A boolean query parameter, read as FastAPI (pydantic) would; absent is False."""
+    raw = request.query_params.get(name)
+    if raw is None or raw.lower() in _FALSE:
+        return False
+    if raw.lower() in _TRUE:
+        return True
+    raise ApiError(422, "invalid_request", f"query parameter {name!r} must be a boolean, not {raw!r}")
 
 
 async def _until_disconnected(request: Request) -> None:

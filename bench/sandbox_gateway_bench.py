@@ -207,6 +207,48 @@ def asgi_heartbeat_cost(n: int = 5000) -> float:
     return asyncio.run(loop())
 
 
+_FLOOR_SERVER = r"""
+import sys, uvicorn
+from asyncgrpo.sandbox.http_guard import header_timeout_protocol
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await receive()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+http = header_timeout_protocol() if sys.argv[2] == "project" else sys.argv[2]
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False, http=http)
+"""
+
+
+def http_floor(protocol: str, clients: int = 16, n: int = 1000) -> float:
+    """Server CPU seconds per request of uvicorn serving an empty ASGI app: what any route
+    costs before the app runs. `protocol`: uvicorn's `h11`, or `project` (the servers' own:
+    h11 with the request-head timeout and one write per response)."""
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-c", _FLOOR_SERVER, str(port), protocol])
+    try:
+        wait_for_port(port, timeout=60, proc=p)
+
+        async def load(k: int) -> None:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients * 2)) as c:
+                async def one() -> None:
+                    for _ in range(k):
+                        async with c.post(f"http://127.0.0.1:{port}/") as r:
+                            await r.read()
+
+                await asyncio.gather(*(one() for _ in range(clients)))
+
+        asyncio.run(load(20))
+        c0 = cpu([p.pid])
+        asyncio.run(load(n))
+        return (cpu([p.pid]) - c0) / (clients * n)
+    finally:
+        p.terminate()
+        p.wait()
+
+
 class Servers:
     def __init__(self, base: Path, env: dict):
         self.base, self.env, self.procs = base, env, []
@@ -333,6 +375,10 @@ def main() -> int:
                   f"{gw_cpu / beats * 1e3:.3f} ms per lease beaten -> {beats / max(gw_cpu, 1e-9):.0f} per gateway "
                   f"CPU second ({gw_cpu / calls * 1e3:.2f} ms per call)")
         wait_warm(gw, most)
+        for protocol in ("h11", "project", "h11", "project"):
+            floor = http_floor(protocol)
+            print(f"uvicorn with an empty app ({protocol}): {floor * 1e6:.0f} us server CPU per request -> "
+                  f"{1 / floor:.0f} per CPU second")
         per_op = asgi_heartbeat_cost()
         print(f"the gateway's ASGI app alone (no HTTP server): {per_op * 1e6:.0f} us CPU per heartbeat -> "
               f"{1 / per_op:.0f} per CPU second")

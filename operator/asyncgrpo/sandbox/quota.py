@@ -13,7 +13,7 @@ Why measure and not mount a size-limited file system (tmpfs or a loop device wit
 `size=`): that needs CAP_SYS_ADMIN, which the sandbox image (non-root, no capabilities)
 never has, tmpfs would count the files against the pod's memory, and loop devices are
 rarely available inside containers. The cost of measuring is a walk of the workspace
-(about a microsecond per file, in a thread: the event loop keeps serving); the bound it
+(about 3 us of CPU per file, in a thread: the event loop keeps serving); the bound it
 gives is the cap plus what a command writes between two measurements.
 
 A directory the server cannot list (a command's `chmod 000`) is made listable again

@@ -46,6 +46,7 @@ from asyncgrpo.sandbox.messages import (
     ExecRequest,
     HeartbeatsRequest,
     LeaseRequest,
+    api_error_response,
     read_stream_head,
 )
 from asyncgrpo.sandbox.metrics import GatewayMetrics
@@ -177,7 +178,7 @@ class Gateway:
         ):
             routes.append(Route(path, _json_endpoint(handler), methods=[method]))
         app = Starlette(routes=routes, lifespan=self._lifespan,
-                        exception_handlers={HTTPException: http_exception_handler})
+                        exception_handlers={HTTPException: http_exception_handler, ApiError: api_error_response})
         app.state.pool = self.pool
         return GuardMiddleware(
             app,

@@ -16,7 +16,6 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -148,13 +147,28 @@ class WriteResult(_Answer):
 
 
 # errors -------------------------------------------------------------------------------
-class ApiError(HTTPException):
-    """A refusal with a reason: `{"detail": {"error": ..., "detail": ...}}` on the wire (FastAPI's
-    envelope for handler errors); the clients unwrap it into `SandboxError` and its kinds."""
+class ApiError(Exception):
+    """A refusal with a reason, raised by the servers' handlers.
+
+    On the wire `{"detail": {"error": ..., "detail": ...}}` (FastAPI's envelope for handler
+    errors, which the clients unwrap into `SandboxError` and its kinds); the servers turn
+    it into that response (`api_error_response`). Plain Exception, not FastAPI's
+    HTTPException: the clients import this module, and the trainer image has no FastAPI.
+    """
 
     def __init__(self, status: int, error: str, detail: Any = "", headers: dict[str, str] | None = None):
-        super().__init__(status, detail={"error": error, "detail": detail}, headers=headers)
-        self.error = error
+        super().__init__(f"{status} {error}: {detail}")
+        self.status, self.error, self.detail, self.headers = status, error, detail, headers
+
+    def body(self) -> dict:
+        return {"detail": {"error": self.error, "detail": self.detail}}
+
+
+async def api_error_response(_request, exc: ApiError):
+    """The exception handler both servers register for `ApiError`."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def read_stream_head(chunks: AsyncIterator[bytes], cap: int) -> tuple[bytes, bytes]:

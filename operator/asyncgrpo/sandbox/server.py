@@ -65,6 +65,7 @@ from asyncgrpo.sandbox.messages import (
     ResetRequest,
     WriteRequest,
     WriteResult,
+    api_error_response,
     read_stream_head,
 )
 from asyncgrpo.sandbox.metrics import SandboxMetrics
@@ -217,7 +218,8 @@ class SandboxServer:
 
     # wiring ---------------------------------------------------------------------------
     def asgi(self) -> GuardMiddleware:
-        app = FastAPI(title="asyncgrpo sandbox", lifespan=self._lifespan, docs_url=None, redoc_url=None)
+        app = FastAPI(title="asyncgrpo sandbox", lifespan=self._lifespan, docs_url=None, redoc_url=None,
+                      exception_handlers={ApiError: api_error_response})
         for method, path, handler in (
             ("POST", "/v1/exec", self.exec_),
             ("POST", "/v1/exec/stream", self.exec_stream),
@@ -262,20 +264,21 @@ class SandboxServer:
         while True:
             await asyncio.sleep(QUOTA_CHECK_SECONDS)
             if self.dirty or self.metrics.in_flight._value.get() > 0:
-                try:
-                    await self.enforce_quota()
-                except Exception:  # the loop must outlive any one failure
-                    log.exception("workspace quota check failed")
+                await self.enforce_quota()
 
     # quota ------------------------------------------------------------------------------
     async def enforce_quota(self) -> None:
+        """Measure; wipe when over. Never raises: an exec's answer must not become a 500 here."""
         if not self.meter.enabled:
             return
         self.dirty = False
-        used = await self.meter.measure()
-        self.metrics.workspace_bytes.set(used)
-        if used > self.meter.max_bytes:
-            await self._wipe(used)
+        try:
+            used = await self.meter.measure()
+            self.metrics.workspace_bytes.set(used)
+            if used > self.meter.max_bytes:
+                await self._wipe(used)
+        except Exception:
+            log.exception("workspace quota check failed")
 
     async def _wipe(self, used: int) -> None:
         """Kill every command and restore every session; the lease (and its secret) holds."""

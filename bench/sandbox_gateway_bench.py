@@ -13,7 +13,10 @@ each client count C, C concurrent clients each doing rounds of `--execs` trivial
 Per-exec latency is measured at the client (p50, p99); CPU per exec of the gateway and of
 the sandbox servers comes from /proc. The modes run interleaved, round after round, so load
 that drifts on a shared machine hits all of them alike. Last, the gateway's own rate for
-lease operations (join, heartbeat, release of one holder: no sandbox call) per CPU second.
+lease operations (join, heartbeat, release of one holder: no sandbox call) per CPU second,
+one per request and as batched heartbeats (`/v1/heartbeats`, every lease of a process per
+call). CPU per operation is the figure to read on a shared machine; wall-clock rates and
+latencies move with whatever else runs.
 
     .venv/bin/python bench/sandbox_gateway_bench.py --execs 20 --groups 10 --rounds 3
 """
@@ -31,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from asyncgrpo.testing.net import free_port, wait_for_port
@@ -109,25 +113,68 @@ async def run_leased(gw: str, clients: int, groups: int, n: int, command: str, p
 
 
 async def run_lease_ops(gw: str, clients: int, seconds: float) -> int:
-    """Lease operations that never touch a sandbox: join a held lease, heartbeat, leave."""
+    """Lease operations that never touch a sandbox: join a held lease, heartbeat, leave.
+
+    The load comes from aiohttp (about a sixth of httpx's CPU per request), so on a small
+    machine the gateway, not the load generator, is what runs out of CPU.
+    """
     ops = 0
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=clients * 2)) as c:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients * 2)) as c:
         async def client(i: int) -> None:
             nonlocal ops
             group = f"ops-{i}-{time.time_ns()}"
-            first = (await c.post(f"{gw}/v1/leases", json={"group_id": group, "wait_seconds": 120},
-                                  headers=auth(GW_TOKEN))).json()
+            body = {"group_id": group, "wait_seconds": 120}
+            async with c.post(f"{gw}/v1/leases", json=body, headers=auth(GW_TOKEN)) as r:
+                first = await r.json()
             lid, secret = first["lease_id"], first["secret"]
             deadline = time.perf_counter() + seconds
             while time.perf_counter() < deadline:
-                await c.post(f"{gw}/v1/leases", json={"group_id": group}, headers=auth(GW_TOKEN))
-                await c.post(f"{gw}/v1/leases/{lid}/heartbeat", headers=auth(secret))
-                await c.delete(f"{gw}/v1/leases/{lid}", headers=auth(secret))
+                for method, url, kw in (("POST", f"{gw}/v1/leases", {"json": {"group_id": group},
+                                                                      "headers": auth(GW_TOKEN)}),
+                                        ("POST", f"{gw}/v1/leases/{lid}/heartbeat", {"headers": auth(secret)}),
+                                        ("DELETE", f"{gw}/v1/leases/{lid}", {"headers": auth(secret)})):
+                    async with c.request(method, url, **kw) as r:
+                        assert r.status == 200, await r.text()
+                        await r.read()
                 ops += 3
-            await c.delete(f"{gw}/v1/leases/{lid}", headers=auth(secret))
+            async with c.delete(f"{gw}/v1/leases/{lid}", headers=auth(secret)) as r:
+                await r.read()
 
         await asyncio.gather(*(client(i) for i in range(clients)))
     return ops
+
+
+async def run_batched_heartbeats(gw: str, clients: int, seconds: float) -> tuple[int, int] | None:
+    """Every client leases one sandbox; one caller beats all of them per `/v1/heartbeats` call,
+    as `client.Heartbeats` does for the leases of one process. Returns (leases beaten, calls),
+    or None where the gateway has no batched route (an older version, for before/after)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients * 2)) as c:
+        leases = []
+        for i in range(clients):
+            body = {"group_id": f"hb-{i}-{time.time_ns()}", "wait_seconds": 120}
+            async with c.post(f"{gw}/v1/leases", json=body, headers=auth(GW_TOKEN)) as r:
+                leases.append(await r.json())
+        body = {"leases": [{"lease_id": x["lease_id"], "secret": x["secret"]} for x in leases]}
+        beats = calls = 0
+
+        async def beater() -> bool:
+            nonlocal beats, calls
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() < deadline:
+                async with c.post(f"{gw}/v1/heartbeats", json=body, headers=auth(GW_TOKEN)) as r:
+                    if r.status == 404:
+                        return False
+                    answer = await r.json()
+                assert all("holders" in v for v in answer["leases"].values()), answer
+                beats += len(leases)
+                calls += 1
+            return True
+
+        served = all(await asyncio.gather(*(beater() for _ in range(4))))
+        for x in leases:
+            async with c.delete(f"{gw}/v1/leases/{x['lease_id']}", headers=auth(x["secret"])) as r:
+                await r.read()
+    return (beats, calls) if served else None
 
 
 def asgi_heartbeat_cost(n: int = 5000) -> float:
@@ -158,6 +205,48 @@ def asgi_heartbeat_cost(n: int = 5000) -> float:
         return (time.process_time() - t0) / n
 
     return asyncio.run(loop())
+
+
+_FLOOR_SERVER = r"""
+import sys, uvicorn
+from asyncgrpo.sandbox.http_guard import header_timeout_protocol
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await receive()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+http = header_timeout_protocol() if sys.argv[2] == "project" else sys.argv[2]
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False, http=http)
+"""
+
+
+def http_floor(protocol: str, clients: int = 16, n: int = 1000) -> float:
+    """Server CPU seconds per request of uvicorn serving an empty ASGI app: what any route
+    costs before the app runs. `protocol`: uvicorn's `h11`, or `project` (the servers' own:
+    h11 with the request-head timeout and one write per response)."""
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-c", _FLOOR_SERVER, str(port), protocol])
+    try:
+        wait_for_port(port, timeout=60, proc=p)
+
+        async def load(k: int) -> None:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients * 2)) as c:
+                async def one() -> None:
+                    for _ in range(k):
+                        async with c.post(f"http://127.0.0.1:{port}/") as r:
+                            await r.read()
+
+                await asyncio.gather(*(one() for _ in range(clients)))
+
+        asyncio.run(load(20))
+        c0 = cpu([p.pid])
+        asyncio.run(load(n))
+        return (cpu([p.pid]) - c0) / (clients * n)
+    finally:
+        p.terminate()
+        p.wait()
 
 
 class Servers:
@@ -209,6 +298,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per mode, interleaved")
     ap.add_argument("--command", default="true")
     ap.add_argument("--lease-ops-seconds", type=float, default=5.0)
+    ap.add_argument("--lease-ops-only", action="store_true",
+                    help="only the lease operations (e.g. before/after a gateway change: run with "
+                         "PYTHONPATH pointing at each checkout)")
     args = ap.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="asyncgrpo-bench-"))
@@ -218,7 +310,7 @@ def main() -> int:
     try:
         counts = [int(x) for x in args.clients.split(",")]
         most = max(counts)
-        direct = [servers.sandbox() for _ in range(most)]
+        direct = [] if args.lease_ops_only else [servers.sandbox() for _ in range(most)]
         for url, _ in direct:
             httpx.post(f"{url}/v1/reset", json={"lease_secret": SECRET}, headers=auth(TOKEN)).raise_for_status()
         pooled = [servers.sandbox() for _ in range(most)]
@@ -229,7 +321,7 @@ def main() -> int:
               "servers as uid " + str(os.geteuid()) + ")\n")
         print(f"{'clients':>7}  {'mode':<15}{'execs/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'failed':>7}"
               f"{'sandbox CPU ms/exec':>21}{'gateway CPU ms/exec':>21}{'lease p50 ms':>14}")
-        for n_clients in counts:
+        for n_clients in [] if args.lease_ops_only else counts:
             modes = {
                 "direct": (lambda n=n_clients: run_direct([u for u, _ in direct[:n]], args.groups, args.execs,
                                                           args.command), [p for _, p in direct[:n_clients]]),
@@ -271,6 +363,22 @@ def main() -> int:
         wall, gw_cpu = time.perf_counter() - t0, cpu([gw_pid]) - c0
         print(f"\nlease operations (join, heartbeat, release; {most} clients): {ops / wall:.0f}/s wall, "
               f"gateway CPU {gw_cpu / ops * 1e3:.3f} ms/op -> {ops / max(gw_cpu, 1e-9):.0f} ops per gateway CPU second")
+        wait_warm(gw, most)
+        c0 = cpu([gw_pid])
+        batched = asyncio.run(run_batched_heartbeats(gw, most, args.lease_ops_seconds))
+        gw_cpu = cpu([gw_pid]) - c0
+        if batched is None:
+            print("batched heartbeats: not served by this gateway")
+        else:
+            beats, calls = batched
+            print(f"batched heartbeats ({most} leases per /v1/heartbeats call, {calls} calls): gateway CPU "
+                  f"{gw_cpu / beats * 1e3:.3f} ms per lease beaten -> {beats / max(gw_cpu, 1e-9):.0f} per gateway "
+                  f"CPU second ({gw_cpu / calls * 1e3:.2f} ms per call)")
+        wait_warm(gw, most)
+        for protocol in ("h11", "project", "h11", "project"):
+            floor = http_floor(protocol)
+            print(f"uvicorn with an empty app ({protocol}): {floor * 1e6:.0f} us server CPU per request -> "
+                  f"{1 / floor:.0f} per CPU second")
         per_op = asgi_heartbeat_cost()
         print(f"the gateway's ASGI app alone (no HTTP server): {per_op * 1e6:.0f} us CPU per heartbeat -> "
               f"{1 / per_op:.0f} per CPU second")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -125,3 +127,13 @@ def test_timeouts_truncation_and_refusals_come_back_as_tool_results(gateway):
     assert a.shell("echo same; ls") == b.shell("echo same; ls")
     assert a.get_reward() is None and b.get_reward() is None  # the row has no tests
     wait_until(lambda: demand(gateway)["leases_active"] == 0, 20, what="released")
+
+
+def test_the_trainer_side_needs_no_server_framework():
+    """The trainer image has pydantic and httpx but not FastAPI/Starlette (the sandbox image's):
+    the client, the environment and the shared message types must import without them."""
+    code = ("import sys; import asyncgrpo.sandbox.client, asyncgrpo.sandbox.environment, "
+            "asyncgrpo.sandbox.messages; "
+            "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -12,6 +12,7 @@ import threading
 import httpx
 import pytest
 
+from asyncgrpo.sandbox.client import GatewayClient
 from tests.sandbox.conftest import (
     GW_TOKEN,
     gw_client,
@@ -324,3 +325,20 @@ def test_a_leased_sandbox_that_is_only_slow_keeps_its_lease(tmp_path):
         gw.stop()
         busy_sb.stop()
         idle_sb.stop()
+
+
+def test_batched_heartbeats_keep_leases_and_report_ended_ones(pool_of_three):
+    """One `/v1/heartbeats` call beats many leases; a wrong secret beats nothing; an ended
+    lease comes back with its reason (and the client forgets it)."""
+    gw, _ = pool_of_three
+    client = GatewayClient(gw.url, GW_TOKEN)
+    a, b = client.lease("hb-a", wait_seconds=60), client.lease("hb-b", wait_seconds=60)
+    with gw_client(gw) as c:
+        forged = c.post("/v1/heartbeats", json={"leases": [{"lease_id": a.lease_id, "secret": "not-the-secret"}]})
+        assert forged.json()["leases"][a.lease_id] == {"error": "unauthorized"}
+        assert httpx.post(f"{gw.url}/v1/heartbeats", json={"leases": []}).status_code == 401  # run token needed
+    assert client.heartbeat_many([a, b]) == {}
+    client.release(b)
+    assert client.heartbeat_many([a, b]) == {b.lease_id: "lease_released"}
+    client.release(a)
+    client.close()

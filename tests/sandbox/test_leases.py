@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from asyncgrpo.sandbox.client import GatewayClient, LeaseLost, SandboxError
+from asyncgrpo.sandbox.messages import ExecResult
 from tests.sandbox.conftest import (
     GW_TOKEN,
     TOKEN,
@@ -81,7 +82,7 @@ def test_a_released_groups_queued_exec_never_runs_in_the_next_groups_sandbox(two
     assert not cmdlines_containing("322.75") and not cmdlines_containing("321.25")
     assert isinstance(results[2], LeaseLost) and results[2].error == "lease_revoked"
     for i in (0, 1):  # admitted under A's lease, killed by the reset before B got the sandbox
-        assert isinstance(results[i], dict) and results[i]["exit_code"] == -9, results[i]
+        assert isinstance(results[i], ExecResult) and results[i].exit_code == -9, results[i]
     # A's secret, sent straight to the sandbox it used to hold, is refused as revoked
     late = httpx.post(f"{sb.url}/v1/exec", json={"command": "touch late"},
                       headers={"authorization": f"Bearer {la.secret}"}, timeout=10)

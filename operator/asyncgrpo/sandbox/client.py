@@ -3,8 +3,9 @@
 Errors are typed so callers can act on them: `LeaseLost` means the group's sandbox state is
 gone (lease again, tell the model), `NoSandbox` means the pool had nothing free in time
 (retry later), anything else is a `SandboxError` with the server's error code.
-A `Heartbeats` thread keeps leases alive while a rollout thinks between tool calls; when the
-process dies the heartbeats stop and the gateway takes the sandbox back after its TTL.
+A `Heartbeats` thread keeps leases alive while a rollout thinks between tool calls (all of a
+process's leases in one `/v1/heartbeats` call per interval); when the process dies the
+heartbeats stop and the gateway takes the sandbox back after its TTL.
 
 A lease is a capability: its `secret` is the credential of every call on it, and the
 gateway token is sent only to take a lease. When the gateway runs the direct data path the
@@ -18,11 +19,19 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import httpx
 
+from asyncgrpo.sandbox.messages import (
+    EXEC_STREAM_TYPE,
+    ExecRequest,
+    ExecResult,
+    ReadResult,
+    WriteResult,
+)
 from asyncgrpo.wire import GATEWAY_TOKEN_ENV, GATEWAY_URL_ENV
 
 _LEASE_GONE = frozenset({"lease_released", "lease_expired", "lease_unknown", "sandbox_lost", "lease_revoked"})
@@ -62,13 +71,36 @@ def _raise_for(r: httpx.Response) -> dict:
     raise SandboxError(r.status_code, error, detail)
 
 
-def _exec_body(command, timeout_seconds, stdin, env, cwd, session, max_output_bytes) -> dict:
-    body: dict = {"command": command}
-    for key, value in (("timeout_seconds", timeout_seconds), ("stdin", stdin), ("env", env),
-                       ("cwd", cwd), ("session", session), ("max_output_bytes", max_output_bytes)):
-        if value is not None:
-            body[key] = value
-    return body
+#: stdin up to this size travels inside the JSON body; larger (or bytes, or an iterable of
+#: bytes) goes through the streamed exec, which the sandbox feeds to the command as it arrives
+INLINE_STDIN_BYTES = 64 * 1024
+
+
+def _exec_call(command, stdin, **fields) -> tuple[str, dict]:
+    """(route, httpx keyword arguments) of an exec: JSON, or the streamed form for large stdin.
+
+    Built without validation (`model_construct`): the server's 422 stays the one answer to
+    a malformed exec, whichever client sent it.
+    """
+    given = {k: v for k, v in fields.items() if v is not None}
+    streamed = stdin is not None and not (isinstance(stdin, str) and len(stdin) <= INLINE_STDIN_BYTES)
+    if not streamed:
+        if stdin is not None:
+            given["stdin"] = stdin
+        return "exec", {"json": ExecRequest.model_construct(command=command, **given).body()}
+    head = ExecRequest.model_construct(command=command, **given).stream_head()
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    if isinstance(stdin, bytes | bytearray | memoryview):
+        content = head + bytes(stdin)
+    else:
+        content = _chain(head, stdin)
+    return "exec/stream", {"content": content, "headers": {"content-type": EXEC_STREAM_TYPE}}
+
+
+def _chain(first: bytes, rest):
+    yield first
+    yield from rest
 
 
 def _http_timeout(timeout_seconds: float | None, slack: float = 5.0) -> httpx.Timeout:
@@ -149,6 +181,27 @@ class GatewayClient:
             self._forget(lease)
             raise
 
+    def heartbeat_many(self, leases: Iterable[Lease | str]) -> dict[str, str]:
+        """Beat every lease in one call; returns the ended ones, each with its error code
+        (they are forgotten here: their files are gone, the caller leases again)."""
+        held: list[Lease] = []
+        ended: dict[str, str] = {}
+        for lease in leases:
+            try:
+                held.append(self._lease_of(lease))
+            except LeaseLost as err:
+                ended[lease if isinstance(lease, str) else lease.lease_id] = err.error
+        if not held:
+            return ended
+        body = {"leases": [{"lease_id": x.lease_id, "secret": x.secret} for x in held]}
+        answers = _raise_for(self.http.post(f"{self.url}/v1/heartbeats", json=body, headers=self._control))["leases"]
+        for lease in held:
+            error = answers.get(lease.lease_id, {}).get("error")
+            if error in _LEASE_GONE:
+                ended[lease.lease_id] = error
+                self._forget(lease)
+        return ended
+
     def release(self, lease: Lease | str, all_holders: bool = False) -> dict:
         lease = self._lease_of(lease)
         params = {"all": "true"} if all_holders else None
@@ -162,21 +215,22 @@ class GatewayClient:
             self._forget(lease)
         return out
 
-    def _data(self, lease: Lease | str, route: str, body: dict, timeout: httpx.Timeout | None = None) -> dict:
+    def _data(self, lease: Lease | str, route: str, call: dict, timeout: httpx.Timeout | None = None) -> dict:
+        """`call`: httpx's body arguments (`json=` or `content=` with its headers)."""
         lease = self._lease_of(lease)
         try:
-            return self._call(lease, route, body, timeout)
+            return self._call(lease, route, call, timeout)
         except LeaseLost:
             self._forget(lease)
             raise
 
-    def _call(self, lease: Lease, route: str, body: dict, timeout: httpx.Timeout | None) -> dict:
+    def _call(self, lease: Lease, route: str, call: dict, timeout: httpx.Timeout | None) -> dict:
+        call = {**call, "headers": {**lease.auth, **call.get("headers", {})},
+                "timeout": timeout or httpx.USE_CLIENT_DEFAULT}
         if lease.sandbox_url is None:  # proxied data path
-            return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/{route}", json=body,
-                                              headers=lease.auth, timeout=timeout or httpx.USE_CLIENT_DEFAULT))
+            return _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/{route}", **call))
         try:
-            return _raise_for(self.http.post(f"{lease.sandbox_url}/v1/{route}", json=body, headers=lease.auth,
-                                              timeout=timeout or httpx.USE_CLIENT_DEFAULT))
+            return _raise_for(self.http.post(f"{lease.sandbox_url}/v1/{route}", **call))
         except (httpx.TimeoutException, httpx.TransportError) as err:
             # no answer: ask the gateway to check the sandbox (and take it out if it is down)
             _raise_for(self.http.post(f"{self.url}/v1/leases/{lease.lease_id}/lost", headers=lease.auth))
@@ -184,77 +238,34 @@ class GatewayClient:
                                f"{type(err).__name__}; the sandbox is up, the lease holds; "
                                "the call may or may not have run") from err
 
-    def exec(self, lease: Lease | str, command, *, timeout_seconds: float | None = None, stdin: str | None = None,
-             env: dict | None = None, cwd: str | None = None, session: str | None = None,
-             max_output_bytes: int | None = None, output_encoding: str | None = None) -> dict:
+    def exec(self, lease: Lease | str, command, *, timeout_seconds: float | None = None,
+             stdin: str | bytes | Iterable[bytes] | None = None, env: dict | None = None, cwd: str | None = None,
+             session: str | None = None, max_output_bytes: int | None = None,
+             output_encoding: str | None = None) -> ExecResult:
+        """`stdin` over `INLINE_STDIN_BYTES`, bytes or an iterable of bytes is streamed."""
         lease = self._lease_of(lease)
-        body = _exec_body(command, timeout_seconds, stdin, env, cwd, session, max_output_bytes)
-        if output_encoding:
-            body["output_encoding"] = output_encoding
-        return self._data(lease, "exec", body, _http_timeout(timeout_seconds, lease.exec_slack_seconds))
+        route, call = _exec_call(command, stdin, timeout_seconds=timeout_seconds, env=env, cwd=cwd,
+                                 session=session, max_output_bytes=max_output_bytes,
+                                 output_encoding=output_encoding or None)
+        d = self._data(lease, route, call, _http_timeout(timeout_seconds, lease.exec_slack_seconds))
+        return ExecResult.model_validate(d)
 
     def read_file(self, lease: Lease | str, path: str, *, session: str | None = None,
-                  max_bytes: int | None = None) -> dict:
+                  max_bytes: int | None = None) -> ReadResult:
         body = {"path": path, "session": session, "max_bytes": max_bytes}
-        return self._data(lease, "files/read", {k: v for k, v in body.items() if v is not None})
+        d = self._data(lease, "files/read", {"json": {k: v for k, v in body.items() if v is not None}})
+        return ReadResult.model_validate(d)
 
-    def write_file(self, lease: Lease | str, path: str, content: str, *, session: str | None = None) -> dict:
+    def write_file(self, lease: Lease | str, path: str, content: str, *, session: str | None = None) -> WriteResult:
         body = {"path": path, "content": content, "session": session}
-        return self._data(lease, "files/write", {k: v for k, v in body.items() if v is not None})
+        d = self._data(lease, "files/write", {"json": {k: v for k, v in body.items() if v is not None}})
+        return WriteResult.model_validate(d)
 
     def demand(self) -> dict:
         return _raise_for(self.http.get(f"{self.url}/v1/demand"))
 
     def close(self) -> None:
         self.http.close()
-
-
-class AsyncSandboxClient:
-    """Async client of the gateway's leases, or of one sandbox server holding a lease secret.
-
-    `AsyncSandboxClient(gateway_url, gateway_token)`: `lease()`, then `exec(lease=...)`,
-    direct or proxied as the lease says. `AsyncSandboxClient(sandbox_url, lease_secret)`:
-    `exec()` straight on that sandbox (tests, benchmarks).
-    """
-
-    def __init__(self, url: str, token: str, *, client: httpx.AsyncClient | None = None):
-        self.url = url.rstrip("/")
-        self._auth = {"authorization": f"Bearer {token}"}
-        self.http = client or httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024),
-            timeout=httpx.Timeout(660.0, connect=10.0),
-        )
-
-    async def lease(self, group_id: str, wait_seconds: float | None = None) -> Lease:
-        body: dict = {"group_id": group_id}
-        if wait_seconds is not None:
-            body["wait_seconds"] = wait_seconds
-        return Lease.from_answer(_raise_for(await self.http.post(f"{self.url}/v1/leases", json=body,
-                                                                 headers=self._auth)))
-
-    async def release(self, lease: Lease, all_holders: bool = False) -> dict:
-        params = {"all": "true"} if all_holders else None
-        return _raise_for(await self.http.delete(f"{self.url}/v1/leases/{lease.lease_id}", params=params,
-                                                 headers=lease.auth))
-
-    async def exec(self, command, *, lease: Lease | None = None, timeout_seconds: float | None = None,
-                   stdin: str | None = None, env: dict | None = None, cwd: str | None = None,
-                   session: str | None = None, max_output_bytes: int | None = None) -> dict:
-        body = _exec_body(command, timeout_seconds, stdin, env, cwd, session, max_output_bytes)
-        if lease is None:
-            url, auth = f"{self.url}/v1/exec", self._auth
-        elif lease.sandbox_url:
-            url, auth = f"{lease.sandbox_url}/v1/exec", lease.auth
-        else:
-            url, auth = f"{self.url}/v1/leases/{lease.lease_id}/exec", lease.auth
-        return _raise_for(await self.http.post(url, json=body, headers=auth, timeout=_http_timeout(timeout_seconds)))
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-
-_SHARED: dict[str, GatewayClient] = {}  # by gateway URL and token
-_SHARED_LOCK = threading.Lock()
 
 
 def shared_client(url: str | None = None) -> GatewayClient:
@@ -308,10 +319,11 @@ class Heartbeats:
             with self._cond:
                 self._cond.wait(self.interval)
                 leases = list(self.leases)
-            for lease_id in leases:
-                try:
-                    self.client.heartbeat(lease_id)
-                except LeaseLost:
-                    self.discard(lease_id)
-                except Exception:  # noqa: BLE001, S110 - gateway briefly away: next beat is within TTL
-                    pass
+            if not leases:
+                continue
+            try:
+                ended = self.client.heartbeat_many(leases)
+            except Exception:  # noqa: BLE001, S112 - gateway briefly away: next beat is within TTL
+                continue
+            for lease_id in ended:
+                self.discard(lease_id)

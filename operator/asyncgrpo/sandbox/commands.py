@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from asyncgrpo.sandbox.quota import DEFAULT_MAX_WORKSPACE_BYTES
 from asyncgrpo.wire import (
     BIND_HOST_ENV,
     GATEWAY_ENV_PREFIX,
@@ -69,8 +70,13 @@ def register(subparsers) -> None:
     _add(serve, "--max-output-bytes", E + "MAX_OUTPUT_BYTES", 1 << 20, int, help_="output kept per stream")
     _add(serve, "--max-timeout-seconds", E + "MAX_TIMEOUT_SECONDS", 600.0, float)
     _add(serve, "--default-timeout-seconds", E + "DEFAULT_TIMEOUT_SECONDS", 60.0, float)
-    _add(serve, "--max-body-bytes", E + "MAX_BODY_BYTES", 4 << 20, int,
-         help_="largest request body (a write_file's content, an exec's stdin)")
+    _add(serve, "--max-body-bytes", E + "MAX_BODY_BYTES", 1 << 20, int,
+         help_="largest JSON request body (a write_file's content, an inline stdin); larger stdin "
+               "goes through /v1/exec/stream, fed to the command as it arrives")
+    _add(serve, "--max-workspace-bytes", E + "MAX_WORKSPACE_BYTES", DEFAULT_MAX_WORKSPACE_BYTES, int,
+         help_="disk the workspace may use, measured after each exec and write and every second "
+               "while execs run; over it, commands are killed and sessions reset (507 workspace_full); "
+               "0: not measured (a pod's emptyDir size limit still holds)")
     _add(serve, "--max-read-bytes", E + "MAX_READ_BYTES", 8 << 20, int)
     _add(serve, "--max-concurrent-execs", E + "MAX_CONCURRENT_EXECS", 64, int,
          help_="execs running at once; more wait their turn")
@@ -99,7 +105,8 @@ def register(subparsers) -> None:
     _add(gw, "--health-timeout-seconds", G + "HEALTH_TIMEOUT_SECONDS", 3.0, float)
     _add(gw, "--health-failures", G + "HEALTH_FAILURES", 2, int,
          help_="consecutive failed health checks that take a sandbox out")
-    _add(gw, "--max-body-bytes", G + "MAX_BODY_BYTES", 4 << 20, int)
+    _add(gw, "--max-body-bytes", G + "MAX_BODY_BYTES", 1 << 20, int,
+         help_="largest JSON request body; proxied streamed execs pass their stdin through")
     _add(gw, "--max-exec-seconds", G + "MAX_EXEC_SECONDS", 600.0, float,
          help_="upper bound of a proxied exec (the sandbox enforces its own)")
     _add(gw, "--data-path", G + "DATA_PATH", "direct", help_="direct: clients call the leased sandbox "
@@ -169,6 +176,7 @@ def serve_sandbox(args: argparse.Namespace) -> int:
         max_read_bytes=args.max_read_bytes,
         max_body_bytes=args.max_body_bytes,
         max_concurrent_execs=args.max_concurrent_execs,
+        max_workspace_bytes=args.max_workspace_bytes,
         shell=args.shell,
         limits=limits,
         cgroup=cgroup,

@@ -41,6 +41,7 @@ from asyncgrpo.sandbox.client import (
     SandboxError,
     shared_client,
 )
+from asyncgrpo.sandbox.messages import ExecResult
 from asyncgrpo.sandbox.rewards import score_test_run
 
 TOOL_NAMES = ("shell", "python", "read_file", "write_file")
@@ -114,7 +115,7 @@ def _row_key(row: dict) -> str:
     return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _format_exec(r: dict, timeout: float) -> str:
+def _format_exec(r: ExecResult, timeout: float) -> str:
     parts = [f"exit code: {r['exit_code']}"]
     if r["timed_out"]:
         parts[0] = f"timed out after {timeout:g}s (killed)"
@@ -209,7 +210,7 @@ class SandboxEnvironmentBase:
             except (LeaseLost, SandboxError, OSError):
                 pass  # already gone; the gateway resets it either way
 
-    def _exec(self, command, timeout: float) -> dict:
+    def _exec(self, command, timeout: float) -> ExecResult:
         lease_id = self._lease()
         try:
             return self._client.exec(lease_id, command, timeout_seconds=timeout, session=self._session,

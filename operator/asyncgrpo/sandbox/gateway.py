@@ -1,8 +1,12 @@
 """The per-run gateway: the one address the trainer needs for sandboxes.
 
 It leases sandboxes to rollout groups, takes them back when the group releases or goes
-quiet, checks their health, and publishes the demand signal the operator scales on. HTTP
-only translates; every decision about sandboxes and leases is in `pool.Pool`.
+quiet, checks their health, and publishes the demand signal the operator scales on.
+`pool.Pool` holds the leases and members and every change of their state (grant, join,
+release, expiry, drain, take-out); `Gateway` talks HTTP to both sides and decides from what
+it hears when a sandbox is down: a failed health probe (but not a merely slow one while its
+lease has a call in flight), a proxied call with no answer past its timeout plus the
+slack, or a holder's `/lost` report confirmed by a probe. It then tells the Pool.
 
 A lease is a capability: the lease answer carries a secret that the leased sandbox alone
 accepts, for that lease alone. With `data_path="direct"` (default) it also carries the
@@ -26,12 +30,25 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.exception_handlers import http_exception_handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
+from asyncgrpo.sandbox.messages import (
+    EXEC_STREAM_TYPE,
+    ApiError,
+    ExecRequest,
+    HeartbeatsRequest,
+    LeaseRequest,
+    api_error_response,
+    read_stream_head,
+)
 from asyncgrpo.sandbox.metrics import GatewayMetrics
 from asyncgrpo.sandbox.pool import LeaseGone, Member, NoSandbox, Pool
 
@@ -42,6 +59,7 @@ log = logging.getLogger("asyncgrpo.sandbox.gateway")
 EXEC_SLACK_SECONDS = 5.0
 _FILE_CALL_SECONDS = 60.0
 _LEASE_PATH = re.compile(r"^/v1/leases/([^/]+)(/[a-z/]*)?$")
+_STREAM_PATH = re.compile(r"^/v1/leases/[^/]+/exec/stream$")
 
 
 @dataclass
@@ -54,7 +72,7 @@ class GatewaySettings:
     health_interval_seconds: float = 5.0
     health_timeout_seconds: float = 3.0
     health_failures: int = 2
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 1 << 20
     max_exec_seconds: float = 600.0
     reset_timeout_seconds: float = 120.0
     data_path: str = "direct"  # or "proxied": see the module docstring
@@ -64,10 +82,8 @@ class GatewaySettings:
             raise ValueError(f"data_path must be 'direct' or 'proxied', not {self.data_path!r}")
 
 
-class LeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    group_id: str = Field(min_length=1, max_length=256)
-    wait_seconds: float | None = Field(None, ge=0)
+_GONE_ERRORS = {"released": "lease_released", "expired": "lease_expired", "sandbox_lost": "sandbox_lost",
+                "unknown": "lease_unknown"}
 
 
 def _gone(err: LeaseGone) -> JSONResponse:
@@ -78,8 +94,8 @@ def _gone(err: LeaseGone) -> JSONResponse:
         "unknown": "no such lease",
     }[err.reason]
     status = 404 if err.reason == "unknown" else 410
-    return JSONResponse({"error": f"lease_{err.reason}" if err.reason != "sandbox_lost" else "sandbox_lost",
-                         "detail": detail, "lease_id": err.lease_id}, status_code=status)
+    return JSONResponse({"error": _GONE_ERRORS[err.reason], "detail": detail, "lease_id": err.lease_id},
+                        status_code=status)
 
 
 class _Upstream:
@@ -101,12 +117,15 @@ class _Upstream:
             connector=aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=15),
         )
 
-    async def request(self, method: str, url: str, timeout: float, body: bytes | None = None,
-                      secret: str | None = None) -> tuple[int, bytes]:
-        """`secret`: a lease's, replacing the run token (the data calls of that lease)."""
+    async def request(self, method: str, url: str, timeout: float, body=None,
+                      secret: str | None = None, content_type: str | None = None) -> tuple[int, bytes]:
+        """`secret`: a lease's, replacing the run token (the data calls of that lease);
+        `body`: bytes, or an async iterator of bytes sent as it comes (a streamed exec)."""
         t = aiohttp.ClientTimeout(total=timeout, sock_connect=5.0)
-        headers = {"authorization": f"Bearer {secret}"} if secret else None
-        async with self.session.request(method, url, data=body, timeout=t, headers=headers) as r:
+        headers = {"authorization": f"Bearer {secret}"} if secret else {}
+        if content_type:
+            headers["content-type"] = content_type
+        async with self.session.request(method, url, data=body, timeout=t, headers=headers or None) as r:
             return r.status, await r.read()
 
     async def close(self) -> None:
@@ -117,17 +136,96 @@ class _Upstream:
 _CONNECTION_ERRORS = (aiohttp.ClientError, OSError)
 
 
-def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
-    metrics = GatewayMetrics()
-    http = _Upstream(settings.sandbox_token)
+class Gateway:
+    """The gateway's state (pool, upstream client, metrics) and its routes, one method each.
 
-    async def reset_member(m: Member) -> bool:
+    Routed by Starlette, not FastAPI: lease operations are the gateway's own hot path, and
+    FastAPI's per-request signature and dependency work was a large share of the app's CPU
+    per lease operation. Bodies are still validated by the `messages` models (`parse_body`).
+    """
+
+    def __init__(self, settings: GatewaySettings, source):
+        self.settings = settings
+        self.source = source
+        self.metrics = GatewayMetrics()
+        self.http = _Upstream(settings.sandbox_token)
+        self.pool = Pool(
+            reset_fn=self.reset_member,
+            metrics=self.metrics,
+            lease_ttl_seconds=settings.lease_ttl_seconds,
+            lease_max_seconds=settings.lease_max_seconds,
+        )
+        self._token = settings.token.encode()
+
+    # wiring -----------------------------------------------------------------------------
+    def asgi(self) -> GuardMiddleware:
+        routes = []
+        for method, path, handler in (
+            ("POST", "/v1/leases", self.lease),
+            ("POST", "/v1/leases/{lease_id}/heartbeat", self.heartbeat),
+            ("POST", "/v1/heartbeats", self.heartbeats),
+            ("DELETE", "/v1/leases/{lease_id}", self.release),
+            ("POST", "/v1/leases/{lease_id}/lost", self.report_lost),
+            ("POST", "/v1/leases/{lease_id}/exec", self.exec_),
+            ("POST", "/v1/leases/{lease_id}/exec/stream", self.exec_stream),
+            ("POST", "/v1/leases/{lease_id}/files/read", self.read),
+            ("POST", "/v1/leases/{lease_id}/files/write", self.write),
+            ("GET", "/v1/demand", self.demand),
+            ("GET", "/v1/pool", self.pool_view),
+            ("POST", "/v1/members/{name}/drain", self.drain),
+            ("GET", "/healthz", self.healthz),
+            ("GET", "/metrics", self.prom),
+        ):
+            routes.append(Route(path, _json_endpoint(handler), methods=[method]))
+        app = Starlette(routes=routes, lifespan=self._lifespan,
+                        exception_handlers={HTTPException: http_exception_handler, ApiError: api_error_response})
+        app.state.pool = self.pool
+        return GuardMiddleware(
+            app,
+            authorize=self.authorize,
+            max_body_bytes=self.settings.max_body_bytes,
+            open_paths=frozenset({"/healthz", "/metrics", "/v1/demand"}),
+            streamed=lambda path: _STREAM_PATH.match(path) is not None,
+            on_reject=lambda reason: self.metrics.rejected.labels(reason=reason).inc(),
+        )
+
+    @asynccontextmanager
+    async def _lifespan(self, _app):
+        await self.http.start()
+        tasks = [asyncio.create_task(t) for t in (self.source.run(self.pool), self._health_loop(),
+                                                   self._expiry_loop())]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await self.pool.close()
+            await self.http.close()
+
+    def authorize(self, path: str, presented: str | None) -> Grant | None:
+        """Lease routes open with that lease's secret only; the rest with the run token."""
+        if presented is None:
+            return None
+        m = _LEASE_PATH.match(path)
+        if m is None:
+            return Grant("control") if hmac.compare_digest(presented.encode(), self._token) else None
+        verdict = self.pool.check(m.group(1), presented)
+        if verdict == "ok":
+            return Grant("lease", lease_id=m.group(1))
+        if verdict == "refused":
+            return None
+        err = _gone(LeaseGone(m.group(1), verdict))
+        raise Refused(err.status_code, loads(err.body)["error"], loads(err.body)["detail"])
+
+    # the sandboxes' side ------------------------------------------------------------------
+    async def reset_member(self, m: Member) -> bool:
         """Reset the sandbox and install the secret of its next lease (one reset, one secret)."""
         secret = secrets.token_urlsafe(32)
         body = b'{"lease_secret": "' + secret.encode() + b'"}'
         m.next_secret = None
         try:
-            status, _ = await http.request("POST", f"{m.url}/v1/reset", settings.reset_timeout_seconds, body)
+            status, _ = await self.http.request("POST", f"{m.url}/v1/reset", self.settings.reset_timeout_seconds,
+                                                body)
             if status == 200:
                 m.next_secret = secret
             return status == 200
@@ -135,163 +233,190 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
             log.warning("reset of %s failed: %s", m.name, err)
             return False
 
-    async def healthy(m: Member) -> tuple[bool, str, bool]:
+    async def healthy(self, m: Member) -> tuple[bool, str, bool]:
         """(answered 200, why not, whether it was only slow)."""
         try:
-            status, _ = await http.request("GET", f"{m.url}/healthz", settings.health_timeout_seconds)
+            status, _ = await self.http.request("GET", f"{m.url}/healthz", self.settings.health_timeout_seconds)
             return status == 200, f"health returned {status}", False
         except TimeoutError as err:  # aiohttp's ServerTimeoutError is one too
             return False, f"health check timed out: {type(err).__name__}", True
         except _CONNECTION_ERRORS as err:
             return False, f"health check failed: {type(err).__name__}", False
 
-    pool = Pool(
-        reset_fn=reset_member,
-        metrics=metrics,
-        lease_ttl_seconds=settings.lease_ttl_seconds,
-        lease_max_seconds=settings.lease_max_seconds,
-    )
-
-    async def probe(m: Member) -> None:
-        ok, reason, slow = await healthy(m)
+    async def probe(self, m: Member) -> None:
+        ok, reason, slow = await self.healthy(m)
         if ok:
-            pool.health_ok(m.name)
+            self.pool.health_ok(m.name)
             return
-        lease = pool.leases.get(m.lease_id) if m.lease_id else None
+        lease = self.pool.leases.get(m.lease_id) if m.lease_id else None
         if slow and lease is not None and lease.in_flight:
             # a sandbox busy with a heavy command answers slowly, but it answers its exec:
             # only a refused or dropped connection takes a leased sandbox out mid-call
             return
-        pool.health_failed(m.name, reason, settings.health_failures)
+        self.pool.health_failed(m.name, reason, self.settings.health_failures)
 
-    async def health_loop() -> None:
+    async def _health_loop(self) -> None:
         while True:
-            members = list(pool.members.values())
+            members = list(self.pool.members.values())
             if members:
-                await asyncio.gather(*(probe(m) for m in members), return_exceptions=True)
-            await asyncio.sleep(settings.health_interval_seconds)
+                await asyncio.gather(*(self.probe(m) for m in members), return_exceptions=True)
+            await asyncio.sleep(self.settings.health_interval_seconds)
 
-    async def expiry_loop() -> None:
+    async def _expiry_loop(self) -> None:
         while True:
-            await asyncio.sleep(max(0.2, min(settings.lease_ttl_seconds / 4, 5.0)))
-            pool.expire()
+            await asyncio.sleep(max(0.2, min(self.settings.lease_ttl_seconds / 4, 5.0)))
+            self.pool.expire()
 
-    @asynccontextmanager
-    async def lifespan(_app):
-        await http.start()
-        tasks = [asyncio.create_task(t) for t in (source.run(pool), health_loop(), expiry_loop())]
-        try:
-            yield
-        finally:
-            for t in tasks:
-                t.cancel()
-            await pool.close()
-            await http.close()
-
-    app = FastAPI(title="asyncgrpo sandbox gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    async def until_disconnected(request: Request) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    @app.post("/v1/leases")
-    async def lease(request: Request):
+    # leases ---------------------------------------------------------------------------------
+    async def lease(self, request: Request):
         req = await parse_body(request, LeaseRequest)
-        wait = min(settings.max_wait_seconds if req.wait_seconds is None else req.wait_seconds,
-                   settings.max_wait_seconds)
-        acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait))
-        gone = asyncio.ensure_future(until_disconnected(request))
-        try:
-            # a client that hangs up while waiting gives its place in the queue up
-            await asyncio.wait({acquiring, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not acquiring.done():
-                acquiring.cancel()
-        if acquiring.cancelled():
-            return Response(status_code=499)  # nobody reads it
-        try:
-            lease, joined = acquiring.result()
-        except NoSandbox:
-            return JSONResponse(
-                {"error": "no_sandbox", "detail": f"no sandbox free within {wait:g}s", "demand": _small(pool)},
-                status_code=503, headers={"retry-after": "1"},
-            )
-        member = pool.members[lease.member]
+        s, pool = self.settings, self.pool
+        wait = min(s.max_wait_seconds if req.wait_seconds is None else req.wait_seconds, s.max_wait_seconds)
+        hit = pool.try_acquire(req.group_id)  # a join or a warm sandbox: no wait, no tasks
+        if hit is None:
+            acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait))
+            gone = asyncio.ensure_future(_until_disconnected(request))
+            try:
+                # a client that hangs up while waiting gives its place in the queue up
+                await asyncio.wait({acquiring, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not acquiring.done():
+                    acquiring.cancel()
+            if acquiring.cancelled():
+                return Response(status_code=499)  # nobody reads it
+            try:
+                hit = acquiring.result()
+            except NoSandbox:
+                return JSONResponse(
+                    {"error": "no_sandbox", "detail": f"no sandbox free within {wait:g}s", "demand": _small(pool)},
+                    status_code=503, headers={"retry-after": "1"},
+                )
+        lease, joined = hit
         body = {
             "lease_id": lease.id,
             "secret": lease.secret,
             "group_id": lease.group_id,
             "sandbox": lease.member,
-            "data_path": settings.data_path,
+            "data_path": s.data_path,
             "holders": lease.holders,
             "joined": joined,
-            "ttl_seconds": settings.lease_ttl_seconds,
+            "ttl_seconds": s.lease_ttl_seconds,
             "exec_slack_seconds": EXEC_SLACK_SECONDS,
             "waited_seconds": round(lease.waited_seconds, 6),
         }
-        if settings.data_path == "direct":
-            body["sandbox_url"] = member.url
+        if s.data_path == "direct":
+            body["sandbox_url"] = pool.members[lease.member].url
         return body
 
-    @app.post("/v1/leases/{lease_id}/heartbeat")
-    async def heartbeat(lease_id: str):
+    async def heartbeat(self, request: Request):
+        lease_id = request.path_params["lease_id"]
         try:
-            lease = pool.touch(lease_id)
+            lease = self.pool.touch(lease_id)
         except LeaseGone as err:
             return _gone(err)
-        return {"lease_id": lease_id, "holders": lease.holders, "ttl_seconds": settings.lease_ttl_seconds}
+        return {"lease_id": lease_id, "holders": lease.holders, "ttl_seconds": self.settings.lease_ttl_seconds}
 
-    @app.delete("/v1/leases/{lease_id}")
-    async def release(lease_id: str, all: bool = False):
+    async def heartbeats(self, request: Request):
+        """Each lease beaten if its secret opens it, else its end reason (or `unauthorized`)."""
+        req = await parse_body(request, HeartbeatsRequest)
+        out: dict[str, dict] = {}
+        for held in req.leases:
+            verdict = self.pool.check(held.lease_id, held.secret)
+            if verdict == "ok":
+                out[held.lease_id] = {"holders": self.pool.touch(held.lease_id).holders}
+            elif verdict == "refused":
+                out[held.lease_id] = {"error": "unauthorized"}
+            else:
+                out[held.lease_id] = {"error": _GONE_ERRORS[verdict]}
+        return {"ttl_seconds": self.settings.lease_ttl_seconds, "leases": out}
+
+    async def release(self, request: Request):
+        lease_id = request.path_params["lease_id"]
+        all_holders = _query_bool(request, "all")
         try:
-            return pool.release(lease_id, all_holders=all)
+            return self.pool.release(lease_id, all_holders=all_holders)
         except LeaseGone as err:
             return _gone(err)
 
-    @app.post("/v1/leases/{lease_id}/lost")
-    async def report_lost(lease_id: str):
+    async def report_lost(self, request: Request):
         """A direct call to the leased sandbox got no answer in time: check it now, eject if down."""
+        lease_id = request.path_params["lease_id"]
         try:
-            lease, member = pool.get(lease_id)
+            lease, member = self.pool.get(lease_id)
         except LeaseGone as err:
             return _gone(err)
-        alive, reason, _slow = await healthy(member)
+        alive, reason, _slow = await self.healthy(member)
         if alive:
             return {"lease_id": lease_id, "ended": False, "sandbox": member.name}
-        if pool.leases.get(lease_id) is lease:
-            pool.lost(member.name, f"reported by the lease holder; {reason}")
+        if self.pool.leases.get(lease_id) is lease:
+            self.pool.lost(member.name, f"reported by the lease holder; {reason}")
         return _gone(LeaseGone(lease_id, "sandbox_lost"))
 
-    async def forward(lease_id: str, request: Request, path: str) -> Response:
+    # the proxied data path ---------------------------------------------------------------------
+    async def exec_(self, request: Request) -> Response:
+        body, timeout = self._capped_exec(await request.body())
+        return await self._forward(request.path_params["lease_id"], "/v1/exec", body, timeout)
+
+    async def exec_stream(self, request: Request) -> Response:
+        """A streamed exec: its first line capped like any exec, then stdin passed on as it comes."""
+        chunks = request.stream()
+        head, rest = await read_stream_head(chunks, self.settings.max_body_bytes)
+        head, timeout = self._capped_exec(head)
+
+        async def body():
+            yield head + b"\n" + rest
+            try:
+                async for chunk in chunks:
+                    if chunk:
+                        yield chunk
+            except ClientDisconnect:
+                return
+
+        return await self._forward(request.path_params["lease_id"], "/v1/exec/stream", body(), timeout,
+                                   EXEC_STREAM_TYPE)
+
+    async def read(self, request: Request) -> Response:
         body = await request.body()
+        return await self._forward(request.path_params["lease_id"], "/v1/files/read", body, _FILE_CALL_SECONDS)
+
+    async def write(self, request: Request) -> Response:
+        body = await request.body()
+        return await self._forward(request.path_params["lease_id"], "/v1/files/write", body, _FILE_CALL_SECONDS)
+
+    def _capped_exec(self, raw: bytes) -> tuple[bytes, float]:
+        """The exec with its timeout capped at ours, and how long to wait for its answer.
+
+        The sandbox must give up before we do, so a slow command ends as a timed-out result
+        and never as a dropped connection. A body that is no valid exec goes on unchanged:
+        the sandbox refuses it with its own error.
+        """
+        cap = self.settings.max_exec_seconds
+        try:
+            req = ExecRequest.model_validate(loads(raw))
+        except (ValueError, ValidationError):
+            return raw, _FILE_CALL_SECONDS
+        req.timeout_seconds = min(req.timeout_seconds or cap, cap)
+        return json.dumps(req.body()).encode(), req.timeout_seconds + EXEC_SLACK_SECONDS
+
+    async def _forward(self, lease_id: str, path: str, body, timeout: float, content_type: str | None = None):
         # looked up after the last await before the call: between here and `in_flight += 1`
         # nothing can end the lease or hand its sandbox to another group
+        pool = self.pool
         try:
             lease, member = pool.get(lease_id)
         except LeaseGone as err:
             return _gone(err)
-        timeout = _FILE_CALL_SECONDS
-        if path == "/v1/exec":
-            # the sandbox must give up before we do: cap the exec's own timeout at ours, so a
-            # slow command ends as a timed-out result and never as a dropped connection
-            try:
-                doc = loads(body)
-                asked = doc.get("timeout_seconds") or settings.max_exec_seconds
-                doc["timeout_seconds"] = min(float(asked), settings.max_exec_seconds)
-                body = json.dumps(doc).encode()
-                timeout = doc["timeout_seconds"] + EXEC_SLACK_SECONDS
-            except (ValueError, TypeError, AttributeError, OverflowError):
-                pass  # the sandbox refuses the body itself, with its own error
         lease.in_flight += 1
         lease.last_seen = pool.clock()
         t0 = time.monotonic()
         try:
-            status, content = await http.request("POST", member.url + path, timeout, body, secret=lease.secret)
+            status, content = await self.http.request("POST", member.url + path, timeout, body,
+                                                      secret=lease.secret, content_type=content_type)
         except TimeoutError:
             # the sandbox bounds every call by its timeout (queueing included): silence past
             # that plus the slack means it is hung, not slow. Out now, the group leases again.
-            metrics.proxy_errors.inc()
+            self.metrics.proxy_errors.inc()
             if pool.leases.get(lease_id) is lease:
                 pool.lost(member.name, f"{path} got no answer within {timeout:g}s")
             return JSONResponse(
@@ -299,8 +424,8 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
                  "detail": f"the sandbox did not answer within {timeout:g}s and was taken out; "
                            "its state is lost: lease again"}, status_code=504)
         except _CONNECTION_ERRORS as err:
-            metrics.proxy_errors.inc()
-            alive, _, _ = await healthy(member)
+            self.metrics.proxy_errors.inc()
+            alive, _, _ = await self.healthy(member)
             if alive:  # the connection failed, the sandbox did not: keep the lease
                 return JSONResponse(
                     {"error": "proxy_error", "lease_id": lease_id, "sandbox": member.name,
@@ -317,29 +442,17 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
         finally:
             lease.in_flight -= 1
             lease.last_seen = pool.clock()
-        if path == "/v1/exec":
-            metrics.exec_seconds.observe(time.monotonic() - t0)
+        if path.startswith("/v1/exec"):
+            self.metrics.exec_seconds.observe(time.monotonic() - t0)
         return Response(content, status_code=status, media_type="application/json")
 
-    @app.post("/v1/leases/{lease_id}/exec")
-    async def exec_(lease_id: str, request: Request):
-        return await forward(lease_id, request, "/v1/exec")
+    # views and control ---------------------------------------------------------------------------
+    async def demand(self, _request: Request):
+        return self.pool.demand()
 
-    @app.post("/v1/leases/{lease_id}/files/read")
-    async def read(lease_id: str, request: Request):
-        return await forward(lease_id, request, "/v1/files/read")
-
-    @app.post("/v1/leases/{lease_id}/files/write")
-    async def write(lease_id: str, request: Request):
-        return await forward(lease_id, request, "/v1/files/write")
-
-    @app.get("/v1/demand")
-    async def demand():
-        return pool.demand()
-
-    @app.get("/v1/pool")
-    async def pool_view():
+    async def pool_view(self, _request: Request):
         """For people and the operator: states and ids, never a secret or a group's name."""
+        pool = self.pool
         now = pool.clock()
         return {
             "members": [
@@ -355,43 +468,45 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
             ],
         }
 
-    @app.post("/v1/members/{name}/drain")
-    async def drain(name: str):
-        return pool.drain(name)
+    async def drain(self, request: Request):
+        return self.pool.drain(request.path_params["name"])
 
-    @app.get("/healthz")
-    async def healthz():
-        return {"status": "ok", "members": len(pool.members)}
+    async def healthz(self, _request: Request):
+        return {"status": "ok", "members": len(self.pool.members)}
 
-    @app.get("/metrics")
-    async def prom():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prom(self, _request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    token = settings.token.encode()
 
-    def authorize(path: str, presented: str | None) -> Grant | None:
-        """Lease routes open with that lease's secret only; the rest with the run token."""
-        if presented is None:
-            return None
-        m = _LEASE_PATH.match(path)
-        if m is None:
-            return Grant("control") if hmac.compare_digest(presented.encode(), token) else None
-        verdict = pool.check(m.group(1), presented)
-        if verdict == "ok":
-            return Grant("lease", lease_id=m.group(1))
-        if verdict == "refused":
-            return None
-        err = _gone(LeaseGone(m.group(1), verdict))
-        raise Refused(err.status_code, loads(err.body)["error"], loads(err.body)["detail"])
+def _json_endpoint(handler):
+    """A handler's dict as a JSON response (a Response passes as it is)."""
+    async def endpoint(request: Request) -> Response:
+        out = await handler(request)
+        return out if isinstance(out, Response) else JSONResponse(out)
 
-    app.state.pool = pool
-    return GuardMiddleware(
-        app,
-        authorize=authorize,
-        max_body_bytes=settings.max_body_bytes,
-        open_paths=frozenset({"/healthz", "/metrics", "/v1/demand"}),
-        on_reject=lambda reason: metrics.rejected.labels(reason=reason).inc(),
-    )
+    return endpoint
+
+
+_TRUE, _FALSE = frozenset({"1", "on", "t", "true", "y", "yes"}), frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _query_bool(request: Request, name: str) -> bool:
+    """A boolean query parameter, read as FastAPI (pydantic) would; absent is False."""
+    raw = request.query_params.get(name)
+    if raw is None or raw.lower() in _FALSE:
+        return False
+    if raw.lower() in _TRUE:
+        return True
+    raise ApiError(422, "invalid_request", f"query parameter {name!r} must be a boolean, not {raw!r}")
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
+    return Gateway(settings, source).asgi()
 
 
 def _small(pool: Pool) -> dict:

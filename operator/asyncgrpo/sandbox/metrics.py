@@ -37,6 +37,13 @@ class SandboxMetrics:
             "asyncgrpo_sandbox_reset_seconds", "Time to kill leftovers and restore the workspace.",
             buckets=_EXEC_BUCKETS, registry=r,
         )
+        self.workspace_bytes = Gauge(
+            "asyncgrpo_sandbox_workspace_bytes", "Disk the workspace used at its last measurement.", registry=r
+        )
+        self.quota_wipes = Counter(
+            "asyncgrpo_sandbox_quota_wipes_total",
+            "Workspaces wiped because commands took them over the quota.", registry=r,
+        )
         self.path_refused = Counter(
             "asyncgrpo_sandbox_path_refused_total", "File requests refused for leaving the workspace.",
             registry=r,

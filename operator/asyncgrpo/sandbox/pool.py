@@ -179,9 +179,9 @@ class Pool:
         t0 = self.clock()
         deadline = t0 + wait_seconds
         while True:
-            lease = self._join(group_id)
-            if lease is not None:
-                return lease, True
+            hit = self.try_acquire(group_id, t0)
+            if hit is not None:
+                return hit
             shared = self._group_waits.get(group_id)
             if shared is None:
                 break
@@ -194,11 +194,6 @@ class Pool:
             except asyncio.CancelledError:
                 if not shared.cancelled():
                     raise  # this request itself was cancelled
-        m = self._first_warm()
-        if m is not None:
-            lease = self._grant(m, group_id, t0)
-            self.metrics.lease_wait.labels(start="warm").observe(self.clock() - t0)
-            return lease, False
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters.append((fut, group_id))
         self._group_waits[group_id] = fut
@@ -227,6 +222,26 @@ class Pool:
         if lease is None:
             raise NoSandbox(group_id)
         self.metrics.lease_wait.labels(start="cold").observe(self.clock() - t0)
+        return lease, False
+
+    def try_acquire(self, group_id: str, t0: float | None = None) -> tuple[Lease, bool] | None:
+        """`acquire` without waiting: join the group's lease, or take a warm sandbox, or None.
+
+        None as well while another request of the group waits (it must share that wait). A
+        warm sandbox never jumps the queue: one that turns warm goes to the oldest waiter at
+        once (`_offer`), so while any request waits none is warm.
+        """
+        t0 = self.clock() if t0 is None else t0
+        lease = self._join(group_id)
+        if lease is not None:
+            return lease, True
+        if group_id in self._group_waits:
+            return None
+        m = self._first_warm()
+        if m is None:
+            return None
+        lease = self._grant(m, group_id, t0)
+        self.metrics.lease_wait.labels(start="warm").observe(self.clock() - t0)
         return lease, False
 
     def _join(self, group_id: str) -> Lease | None:

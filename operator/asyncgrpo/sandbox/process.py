@@ -27,7 +27,7 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -333,7 +333,7 @@ class Runner:
         *,
         cwd: str,
         env: dict[str, str],
-        stdin: bytes | None,
+        stdin: bytes | AsyncIterable[bytes] | None,
         timeout: float,
         max_output_bytes: int,
         admit: Callable[[], bool] = lambda: True,
@@ -358,8 +358,7 @@ class Runner:
             asyncio.create_task(_drain(proc.stdout, out)),
             asyncio.create_task(_drain(proc.stderr, err)),
         ]
-        if stdin is not None:
-            readers.append(asyncio.create_task(_feed(proc.stdin, stdin)))
+        feeder = asyncio.create_task(_feed(proc.stdin, stdin)) if stdin is not None else None
         timed_out = False
         killed = 0
         try:
@@ -371,6 +370,8 @@ class Runner:
                 timed_out = True
                 killed = kill_tree(proc.pid)
                 await protocol.exited.wait()
+            if feeder is not None:  # the command is gone: what it did not read stays unread
+                feeder.cancel()
             # Background jobs of the command share its process group: they end with it, and
             # their end closes the pipes so the readers below see EOF.
             if not timed_out:
@@ -384,7 +385,7 @@ class Runner:
             await proc.wait()
         except BaseException:
             kill_tree(proc.pid)
-            for task in readers:
+            for task in [*readers, feeder] if feeder else readers:
                 task.cancel()
             raise
         finally:
@@ -442,10 +443,17 @@ async def _drain(stream: asyncio.StreamReader, sink: CappedBuffer) -> None:
         sink.write(chunk)
 
 
-async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
+async def _feed(stream: asyncio.StreamWriter, data: bytes | AsyncIterable[bytes]) -> None:
+    """Write stdin, then close it; chunk by chunk for a stream, each written once the pipe
+    has room (drain), so a streamed stdin costs the server about one chunk, not its size."""
     try:
-        stream.write(data)
-        await stream.drain()
+        if isinstance(data, bytes):
+            stream.write(data)
+            await stream.drain()
+        else:
+            async for chunk in data:
+                stream.write(chunk)
+                await stream.drain()
     except (BrokenPipeError, ConnectionResetError):
         pass
     finally:

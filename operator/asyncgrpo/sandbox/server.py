@@ -9,10 +9,21 @@ holds the sandbox. An exec records the lease generation it was admitted under an
 again when it gets its slot, right before the fork (`LeaseGate`).
 
 Everything a request may ask for is bounded by the server's own settings (timeout, output,
-body size, concurrency); a request can lower them, never raise them. Commands get a clean
-environment built here (never the server's own, which holds the token), run under the
-limits in `process.CommandLimits`. Anything a command or client can cause (a FIFO, a symlink
-swapped mid-call, a full disk, malformed or deeply nested JSON) is a 4xx with a reason.
+body size, concurrency, workspace size); a request can lower them, never raise them.
+Commands get a clean environment built here (never the server's own, which holds the
+token), run under the limits in `process.CommandLimits`. Anything a command or client can
+cause (a FIFO, a symlink swapped mid-call, a full disk or quota, malformed or deeply nested
+JSON) is a 4xx (or 507) with a reason.
+
+Large stdin does not travel inside the JSON body (whose cap is small): `/v1/exec/stream`
+takes one JSON line, then stdin raw, and feeds it to the command as it arrives, so a
+client's stdin costs the server a few buffers, not its size.
+
+The workspace quota (`quota.WorkspaceMeter`): after every exec and write, and every second
+while execs run, the workspace is measured; over the quota, every process of the sandbox
+is killed and every session goes back to its initial files (the lease holds), and each
+exec that was running then answers 507 `workspace_full`. A write that would go over is
+refused before anything is written.
 """
 
 from __future__ import annotations
@@ -23,26 +34,48 @@ import collections
 import errno
 import hashlib
 import hmac
+import logging
 import os
-import re
 import shutil
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.requests import ClientDisconnect
 
 from asyncgrpo.sandbox.cgroup import CommandCgroup
-from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, grant_of, parse_body
+from asyncgrpo.sandbox.http_guard import (
+    Grant,
+    GuardMiddleware,
+    Refused,
+    grant_of,
+    loads,
+    parse_body,
+    validate,
+)
+from asyncgrpo.sandbox.messages import (
+    ApiError,
+    ExecRequest,
+    ExecResult,
+    ReadRequest,
+    ReadResult,
+    ResetRequest,
+    WriteRequest,
+    WriteResult,
+    api_error_response,
+    read_stream_head,
+)
 from asyncgrpo.sandbox.metrics import SandboxMetrics
 from asyncgrpo.sandbox.process import CommandLimits, Revoked, Runner, use_pidfd_child_watcher
-from asyncgrpo.sandbox.workspace import PathRefused, Workspace
+from asyncgrpo.sandbox.quota import DEFAULT_MAX_WORKSPACE_BYTES, WorkspaceMeter
+from asyncgrpo.sandbox.workspace import PathRefused, QuotaExceeded, Workspace
 
+log = logging.getLogger("asyncgrpo.sandbox.server")
 DEFAULT_COMMAND_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+QUOTA_CHECK_SECONDS = 1.0
 
 
 @dataclass
@@ -56,66 +89,13 @@ class ServerSettings:
     default_timeout_seconds: float = 60.0
     max_output_bytes: int = 1 << 20  # kept per stream (head + tail)
     max_read_bytes: int = 8 << 20
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 1 << 20  # JSON bodies; large stdin goes through /v1/exec/stream
     max_concurrent_execs: int = 64
+    max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES  # 0: unmeasured (the pod's limit only)
     command_path: str = DEFAULT_COMMAND_PATH
     shell: str = "/bin/bash"
     limits: CommandLimits = field(default_factory=CommandLimits)
     cgroup: CommandCgroup | None = None  # memory and pids of all commands together, where possible
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ExecRequest(_Strict):
-    command: str | list[str] = Field(description="shell string (run by the server's shell) or argv")
-    timeout_seconds: float | None = Field(None, gt=0)
-    stdin: str | None = None
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = Field(None, description="directory relative to the session directory")
-    session: str | None = None
-    max_output_bytes: int | None = Field(None, ge=0)
-    output_encoding: Literal["utf-8", "base64"] = Field(
-        "utf-8", description="base64: stdout/stderr exactly as written (binary-safe); utf-8: decoded, "
-        "invalid bytes replaced")
-
-    @field_validator("command")
-    @classmethod
-    def _non_empty(cls, v):
-        if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
-            raise ValueError("command is empty")
-        if isinstance(v, list) and any("\x00" in a for a in v) or isinstance(v, str) and "\x00" in v:
-            raise ValueError("command contains NUL")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v):
-        for k, val in v.items():
-            if not _ENV_NAME.match(k) or "\x00" in val:
-                raise ValueError(f"invalid environment variable {k!r}")
-        return v
-
-
-class ReadRequest(_Strict):
-    path: str
-    session: str | None = None
-    max_bytes: int | None = Field(None, ge=0)
-    encoding: Literal["utf-8", "base64"] = "utf-8"
-
-
-class WriteRequest(_Strict):
-    path: str
-    content: str
-    session: str | None = None
-    encoding: Literal["utf-8", "base64"] = "utf-8"
-    mode: int = Field(0o644, ge=0, le=0o777)
-
-
-class ResetRequest(_Strict):
-    lease_secret: str | None = Field(None, min_length=16, max_length=256,
-                                     description="secret of the next lease, accepted once the reset is done")
 
 
 def _decode(data: bytes) -> str:
@@ -126,15 +106,16 @@ def _encode(data: bytes, encoding: str) -> str:
     return base64.b64encode(data).decode() if encoding == "base64" else _decode(data)
 
 
-def _not_started(timeout: float, encoding: str) -> dict:
+def _not_started(timeout: float, encoding: str) -> ExecResult:
     note = f"not started: every exec slot stayed busy for the whole timeout ({timeout:g}s)\n".encode()
-    return {"exit_code": None, "stdout": "", "stderr": _encode(note, encoding), "output_encoding": encoding,
-            "stdout_truncated": False, "stderr_truncated": False, "stdout_bytes": 0,
-            "stderr_bytes": len(note), "timed_out": True, "duration_seconds": round(timeout, 6)}
+    return ExecResult(exit_code=None, stdout="", stderr=_encode(note, encoding), output_encoding=encoding,
+                      stdout_truncated=False, stderr_truncated=False, stdout_bytes=0,
+                      stderr_bytes=len(note), timed_out=True, duration_seconds=round(timeout, 6))
 
 
 CONTROL_PATHS = frozenset({"/v1/reset"})
-DATA_PATHS = frozenset({"/v1/exec", "/v1/files/read", "/v1/files/write"})
+STREAM_PATHS = frozenset({"/v1/exec/stream"})
+DATA_PATHS = frozenset({"/v1/exec", "/v1/files/read", "/v1/files/write"}) | STREAM_PATHS
 
 
 def _digest(secret: str) -> bytes:
@@ -190,125 +171,225 @@ class LeaseGate:
         return None
 
 
-def _os_error(err: OSError) -> HTTPException:
+_OS_ERRORS = {
+    errno.ENOENT: (404, "not_found"),
+    errno.EACCES: (403, "permission_denied"),
+    errno.EPERM: (403, "permission_denied"),
+    errno.ENOSPC: (507, "no_space"),
+    errno.EDQUOT: (507, "no_space"),
+    errno.EFBIG: (413, "file_too_large"),
+    errno.ELOOP: (400, "path_refused"),
+    errno.ENOTDIR: (400, "path_refused"),
+    errno.EISDIR: (400, "path_refused"),
+    errno.ENXIO: (400, "path_refused"),
+}
+
+
+def _os_error(err: OSError) -> ApiError:
     """An OS error from the workspace (the state commands made) as a 4xx with its reason."""
-    status, error = {
-        errno.ENOENT: (404, "not_found"),
-        errno.EACCES: (403, "permission_denied"),
-        errno.EPERM: (403, "permission_denied"),
-        errno.ENOSPC: (507, "no_space"),
-        errno.EDQUOT: (507, "no_space"),
-        errno.EFBIG: (413, "file_too_large"),
-        errno.ELOOP: (400, "path_refused"),
-        errno.ENOTDIR: (400, "path_refused"),
-        errno.EISDIR: (400, "path_refused"),
-        errno.ENXIO: (400, "path_refused"),
-    }.get(err.errno, (409, "os_error"))
-    return HTTPException(status, detail={"error": error, "detail": f"{errno.errorcode.get(err.errno, err.errno)}: "
-                                                                   f"{err.strerror}"})
+    status, error = _OS_ERRORS.get(err.errno, (409, "os_error"))
+    return ApiError(status, error, f"{errno.errorcode.get(err.errno, err.errno)}: {err.strerror}")
 
 
-def _revoked() -> HTTPException:
-    return HTTPException(410, detail={"error": "lease_revoked", "detail": "the lease of this call has ended"})
+def _revoked() -> ApiError:
+    return ApiError(410, "lease_revoked", "the lease of this call has ended")
 
 
-def create_app(settings: ServerSettings) -> FastAPI:
-    limits = settings.limits
-    workspace = Workspace(settings.workspace, settings.template, uid=limits.uid, gid=limits.gid)
-    runner = Runner(limits, cgroup=settings.cgroup)
-    metrics = SandboxMetrics()
-    slots = asyncio.Semaphore(settings.max_concurrent_execs)
-    started = time.monotonic()
-    gate = LeaseGate(settings.token)
-    reset_lock = asyncio.Lock()
+def _refused(err: Exception) -> ApiError:
+    return ApiError(400, "path_refused", str(err))
 
-    async def reaper():
-        while True:
-            await asyncio.sleep(2.0)
-            await runner.reap()
+
+class SandboxServer:
+    """One sandbox's state (workspace, commands, lease gate, quota) and its HTTP routes."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        limits = settings.limits
+        self.workspace = Workspace(settings.workspace, settings.template, uid=limits.uid, gid=limits.gid)
+        self.runner = Runner(limits, cgroup=settings.cgroup)
+        self.metrics = SandboxMetrics()
+        self.slots = asyncio.Semaphore(settings.max_concurrent_execs)
+        self.started = time.monotonic()
+        self.gate = LeaseGate(settings.token)
+        self.reset_lock = asyncio.Lock()
+        self.meter = WorkspaceMeter(settings.workspace, settings.max_workspace_bytes)
+        self.wipes = 0  # quota wipes so far: an exec that sees it change was running during one
+        self.dirty = False  # written since the last measurement
+
+    # wiring ---------------------------------------------------------------------------
+    def asgi(self) -> GuardMiddleware:
+        app = FastAPI(title="asyncgrpo sandbox", lifespan=self._lifespan, docs_url=None, redoc_url=None,
+                      exception_handlers={ApiError: api_error_response})
+        for method, path, handler in (
+            ("POST", "/v1/exec", self.exec_),
+            ("POST", "/v1/exec/stream", self.exec_stream),
+            ("POST", "/v1/files/read", self.read_file),
+            ("POST", "/v1/files/write", self.write_file),
+            ("POST", "/v1/reset", self.reset),
+            ("GET", "/healthz", self.healthz),
+            ("GET", "/metrics", self.prom),
+        ):
+            app.add_api_route(path, handler, methods=[method], response_model=None)
+        app.state.metrics = self.metrics
+        app.state.gate = self.gate
+        app.state.server = self
+        return GuardMiddleware(
+            app,
+            authorize=self.gate.authorize,
+            max_body_bytes=self.settings.max_body_bytes,
+            streamed=STREAM_PATHS.__contains__,
+            on_reject=lambda reason: self.metrics.rejected.labels(reason=reason).inc(),
+        )
 
     @asynccontextmanager
-    async def lifespan(_app):
+    async def _lifespan(self, _app):
         use_pidfd_child_watcher()
-        task = asyncio.create_task(reaper())
+        tasks = [asyncio.create_task(self._reaper()), asyncio.create_task(self._quota_loop())]
         try:
             yield
         finally:
-            task.cancel()
-            await runner.sweep()
-            if settings.cgroup is not None:
-                settings.cgroup.remove()
+            for task in tasks:
+                task.cancel()
+            await self.runner.sweep()
+            if self.settings.cgroup is not None:
+                self.settings.cgroup.remove()
 
-    app = FastAPI(title="asyncgrpo sandbox", lifespan=lifespan, docs_url=None, redoc_url=None)
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            await self.runner.reap()
 
-    def refused(err: Exception, status: int = 400) -> HTTPException:
-        return HTTPException(status, detail={"error": "path_refused", "detail": str(err)})
+    async def _quota_loop(self) -> None:
+        """Catches a command that keeps writing during a long exec (and writes since the last check)."""
+        while True:
+            await asyncio.sleep(QUOTA_CHECK_SECONDS)
+            if self.dirty or self.metrics.in_flight._value.get() > 0:
+                await self.enforce_quota()
 
-    @app.post("/v1/exec")
-    async def exec_(request: Request):
+    # quota ------------------------------------------------------------------------------
+    async def enforce_quota(self) -> None:
+        """Measure; wipe when over. Never raises: an exec's answer must not become a 500 here."""
+        if not self.meter.enabled:
+            return
+        self.dirty = False
+        try:
+            used = await self.meter.measure()
+            self.metrics.workspace_bytes.set(used)
+            if used > self.meter.max_bytes:
+                await self._wipe(used)
+        except Exception:
+            log.exception("workspace quota check failed")
+
+    async def _wipe(self, used: int) -> None:
+        """Kill every command and restore every session; the lease (and its secret) holds."""
+        async with self.reset_lock:
+            self.wipes += 1
+            await self.runner.sweep()
+            await asyncio.to_thread(self.workspace.reset)
+        self.metrics.quota_wipes.inc()
+        log.warning("workspace over its quota (%d > %d bytes): commands killed, sessions reset",
+                    used, self.meter.max_bytes)
+
+    def _full(self, during: str) -> ApiError:
+        return ApiError(507, "workspace_full",
+                        f"the workspace went over its quota of {self.meter.max_bytes} bytes {during}: every "
+                        "process of the sandbox was killed and every session is back to its initial files; "
+                        "the lease holds")
+
+    # data calls ---------------------------------------------------------------------------
+    async def exec_(self, request: Request) -> ExecResult:
         req = await parse_body(request, ExecRequest)
-        generation = grant_of(request).generation
-        timeout = min(req.timeout_seconds or settings.default_timeout_seconds, settings.max_timeout_seconds)
-        cap = settings.max_output_bytes if req.max_output_bytes is None else min(
-            req.max_output_bytes, settings.max_output_bytes
-        )
-        if not gate.current(generation):
+        stdin = req.stdin.encode() if req.stdin is not None else None
+        return await self._exec(req, grant_of(request).generation, stdin)
+
+    async def exec_stream(self, request: Request) -> ExecResult:
+        """One line of `ExecRequest` JSON, then stdin raw: fed to the command as it arrives."""
+        chunks = request.stream()
+        head, rest = await read_stream_head(chunks, self.settings.max_body_bytes)
+        try:
+            req = validate(loads(head), ExecRequest)
+        except ValueError as err:
+            raise ApiError(400, "bad_json", str(err)[:200]) from err
+        if req.stdin is not None:
+            raise ApiError(422, "invalid_request", "a streamed exec's stdin is the body after the first line")
+
+        async def stdin() -> AsyncIterator[bytes]:
+            if rest:
+                yield rest
+            try:
+                async for chunk in chunks:
+                    if chunk:
+                        yield chunk
+            except ClientDisconnect:
+                return  # the client went away or stalled (body timeout): stdin ends here
+
+        return await self._exec(req, grant_of(request).generation, stdin())
+
+    async def _exec(self, req: ExecRequest, generation: int, stdin) -> ExecResult:
+        s, metrics = self.settings, self.metrics
+        timeout = min(req.timeout_seconds or s.default_timeout_seconds, s.max_timeout_seconds)
+        cap = s.max_output_bytes if req.max_output_bytes is None else min(req.max_output_bytes, s.max_output_bytes)
+        if not self.gate.current(generation):
             raise _revoked()
         try:
-            home = workspace.session_dir(req.session)
-            cwd = workspace.confined_dir(req.session, req.cwd)
+            home = self.workspace.session_dir(req.session)
+            cwd = self.workspace.confined_dir(req.session, req.cwd)
         except PathRefused as err:
-            raise refused(err) from err
+            raise _refused(err) from err
         except OSError as err:
             if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                raise HTTPException(400, detail={"error": "bad_cwd",
-                                                 "detail": f"{req.cwd!r} is not a directory in the session"}) from err
+                raise ApiError(400, "bad_cwd", f"{req.cwd!r} is not a directory in the session") from err
             raise _os_error(err) from err
-        argv = [settings.shell, "-c", req.command] if isinstance(req.command, str) else list(req.command)
+        argv = [s.shell, "-c", req.command] if isinstance(req.command, str) else list(req.command)
         env = {
-            "PATH": settings.command_path,
+            "PATH": s.command_path,
             "HOME": home,
             "LANG": "C.UTF-8",
             "TERM": "dumb",
             "PYTHONUNBUFFERED": "1",
             **req.env,
         }
+        wipes = self.wipes
         metrics.in_flight.inc()
         queued = time.monotonic()
         try:
             # the wait for a slot counts in the timeout: whoever called (the gateway, a
             # client) may treat silence past the timeout plus a small slack as a hung sandbox
             try:
-                await asyncio.wait_for(slots.acquire(), timeout)
+                await asyncio.wait_for(self.slots.acquire(), timeout)
             except TimeoutError:
                 metrics.execs.labels(outcome="timeout").inc()
                 return _not_started(timeout, req.output_encoding)
             try:
-                result = await runner.run(
+                result = await self.runner.run(
                     argv,
                     cwd=cwd,
                     env=env,
-                    stdin=req.stdin.encode() if req.stdin is not None else None,
+                    stdin=stdin,
                     timeout=max(0.001, timeout - (time.monotonic() - queued)),
                     max_output_bytes=cap,
-                    admit=lambda: gate.current(generation),
+                    admit=lambda: self.gate.current(generation),
                 )
             except Revoked as err:
                 metrics.execs.labels(outcome="revoked").inc()
                 raise _revoked() from err
             except (FileNotFoundError, PermissionError, NotADirectoryError) as err:
                 metrics.execs.labels(outcome="error").inc()
-                raise HTTPException(400, detail={"error": "spawn_failed", "detail": str(err)}) from err
+                raise ApiError(400, "spawn_failed", str(err)) from err
             except BlockingIOError as err:  # fork refused: process limit reached
                 metrics.execs.labels(outcome="error").inc()
-                raise HTTPException(429, detail={"error": "process_limit", "detail": str(err)}) from err
+                raise ApiError(429, "process_limit", str(err)) from err
             except OSError as err:  # E2BIG, ENOMEM, ...: the request's, not the server's fault
                 metrics.execs.labels(outcome="error").inc()
                 raise _os_error(err) from err
             finally:
-                slots.release()
+                self.slots.release()
+            await self.enforce_quota()
         finally:
             metrics.in_flight.dec()
+        if self.wipes != wipes:
+            metrics.execs.labels(outcome="workspace_full").inc()
+            raise self._full("during this call")
         outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
         metrics.execs.labels(outcome=outcome).inc()
         metrics.exec_seconds.observe(result.duration_seconds)
@@ -317,96 +398,96 @@ def create_app(settings: ServerSettings) -> FastAPI:
         for stream, cut in (("stdout", result.stdout_truncated), ("stderr", result.stderr_truncated)):
             if cut:
                 metrics.truncated.labels(stream=stream).inc()
-        return {
-            "exit_code": result.exit_code,
-            "stdout": _encode(result.stdout, req.output_encoding),
-            "stderr": _encode(result.stderr, req.output_encoding),
-            "output_encoding": req.output_encoding,
-            "stdout_truncated": result.stdout_truncated,
-            "stderr_truncated": result.stderr_truncated,
-            "stdout_bytes": result.stdout_bytes,
-            "stderr_bytes": result.stderr_bytes,
-            "timed_out": result.timed_out,
-            "duration_seconds": round(result.duration_seconds, 6),
-        }
+        return ExecResult(
+            exit_code=result.exit_code,
+            stdout=_encode(result.stdout, req.output_encoding),
+            stderr=_encode(result.stderr, req.output_encoding),
+            output_encoding=req.output_encoding,
+            stdout_truncated=result.stdout_truncated,
+            stderr_truncated=result.stderr_truncated,
+            stdout_bytes=result.stdout_bytes,
+            stderr_bytes=result.stderr_bytes,
+            timed_out=result.timed_out,
+            duration_seconds=round(result.duration_seconds, 6),
+        )
 
-    @app.post("/v1/files/read")
-    async def read_file(request: Request):
+    async def read_file(self, request: Request) -> ReadResult:
         req = await parse_body(request, ReadRequest)
-        if not gate.current(grant_of(request).generation):  # no await from here to the read
+        if not self.gate.current(grant_of(request).generation):  # no await from here to the read
             raise _revoked()
-        cap = settings.max_read_bytes if req.max_bytes is None else min(req.max_bytes, settings.max_read_bytes)
+        s = self.settings
+        cap = s.max_read_bytes if req.max_bytes is None else min(req.max_bytes, s.max_read_bytes)
         try:
-            data, size = workspace.read(req.session, req.path, cap)
+            data, size = self.workspace.read(req.session, req.path, cap)
         except PathRefused as err:
-            metrics.path_refused.inc()
-            raise refused(err) from err
+            self.metrics.path_refused.inc()
+            raise _refused(err) from err
         except FileNotFoundError as err:
-            raise HTTPException(404, detail={"error": "not_found", "detail": req.path}) from err
+            raise ApiError(404, "not_found", req.path) from err
         except OSError as err:
             raise _os_error(err) from err
-        return {"path": req.path, "content": _encode(data, req.encoding), "size": size,
-                "truncated": size > len(data), "encoding": req.encoding}
+        return ReadResult(path=req.path, content=_encode(data, req.encoding), size=size,
+                          truncated=size > len(data), encoding=req.encoding)
 
-    @app.post("/v1/files/write")
-    async def write_file(request: Request):
+    async def write_file(self, request: Request) -> WriteResult:
         req = await parse_body(request, WriteRequest)
         try:
             data = base64.b64decode(req.content, validate=True) if req.encoding == "base64" else req.content.encode()
         except ValueError as err:
-            raise HTTPException(400, detail={"error": "bad_content", "detail": str(err)}) from err
-        if not gate.current(grant_of(request).generation):  # no await from here to the write
+            raise ApiError(400, "bad_content", str(err)) from err
+        room = None
+        if self.meter.enabled:
+            room = self.meter.max_bytes - await self.meter.measure()
+        if not self.gate.current(grant_of(request).generation):  # no await from here to the write
             raise _revoked()
         try:
-            written = workspace.write(req.session, req.path, data, req.mode)
+            written = self.workspace.write(req.session, req.path, data, req.mode, max_growth=room)
+        except QuotaExceeded as err:
+            raise ApiError(507, "workspace_full", f"{err}; nothing was written") from err
         except PathRefused as err:
-            metrics.path_refused.inc()
-            raise refused(err) from err
+            self.metrics.path_refused.inc()
+            raise _refused(err) from err
         except OSError as err:
             raise _os_error(err) from err
-        return {"path": req.path, "bytes": written}
+        finally:
+            self.dirty = True
+        return WriteResult(path=req.path, bytes=written)
 
-    @app.post("/v1/reset")
-    async def reset(request: Request):
+    # control ---------------------------------------------------------------------------
+    async def reset(self, request: Request) -> dict:
         """Revoke the lease, kill everything, wipe; then (optionally) admit the next lease."""
         raw = await request.body()
         req = await parse_body(request, ResetRequest) if raw.strip() else ResetRequest()
         t0 = time.monotonic()
-        async with reset_lock:
-            gate.revoke()  # from here no call of the old lease is admitted, nor starts
-            killed = await runner.sweep()
-            await asyncio.to_thread(workspace.reset)
+        async with self.reset_lock:
+            self.gate.revoke()  # from here no call of the old lease is admitted, nor starts
+            killed = await self.runner.sweep()
+            await asyncio.to_thread(self.workspace.reset)
             if req.lease_secret is not None:
-                gate.grant(req.lease_secret)
-        metrics.resets.inc()
-        metrics.reset_seconds.observe(time.monotonic() - t0)
+                self.gate.grant(req.lease_secret)
+        self.metrics.resets.inc()
+        self.metrics.reset_seconds.observe(time.monotonic() - t0)
         return {"killed_processes": killed, "duration_seconds": round(time.monotonic() - t0, 6),
-                "leased": gate.leased}
+                "leased": self.gate.leased}
 
-    @app.get("/healthz")
-    async def healthz():
-        ok = os.path.isdir(settings.workspace) and shutil.disk_usage(settings.workspace).free > 0
+    async def healthz(self) -> dict:
+        s = self.settings
+        ok = os.path.isdir(s.workspace) and shutil.disk_usage(s.workspace).free > 0
         body = {
             "status": "ok" if ok else "unhealthy",
-            "execs_in_flight": int(metrics.in_flight._value.get()),
-            "leased": gate.leased,
-            "cgroup": settings.cgroup.describe() if settings.cgroup else None,
-            "uptime_seconds": round(time.monotonic() - started, 3),
+            "execs_in_flight": int(self.metrics.in_flight._value.get()),
+            "leased": self.gate.leased,
+            "cgroup": s.cgroup.describe() if s.cgroup else None,
+            "workspace_bytes": self.meter.last_bytes if self.meter.enabled else None,
+            "uptime_seconds": round(time.monotonic() - self.started, 3),
         }
         if not ok:
             raise HTTPException(503, detail=body)
         return body
 
-    @app.get("/metrics")
-    async def prom():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prom(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.state.metrics = metrics
-    app.state.gate = gate
-    return GuardMiddleware(
-        app,
-        authorize=gate.authorize,
-        max_body_bytes=settings.max_body_bytes,
-        on_reject=lambda reason: metrics.rejected.labels(reason=reason).inc(),
-    )
 
+def create_app(settings: ServerSettings) -> GuardMiddleware:
+    return SandboxServer(settings).asgi()

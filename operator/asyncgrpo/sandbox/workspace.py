@@ -31,6 +31,10 @@ class PathRefused(ValueError):
     """The path leaves the workspace, goes through a symlink, or is malformed."""
 
 
+class QuotaExceeded(Exception):
+    """A write would take the workspace over its quota."""
+
+
 def split_path(path: str) -> list[str]:
     if not isinstance(path, str) or not path or "\x00" in path:
         raise PathRefused("path must be a non-empty string without NUL bytes")
@@ -167,7 +171,13 @@ class Workspace:
         finally:
             os.close(fd)
 
-    def write(self, session: str | None, path: str, data: bytes, mode: int = 0o644) -> int:
+    def write(self, session: str | None, path: str, data: bytes, mode: int = 0o644,
+              max_growth: int | None = None) -> int:
+        """Write `data` to `path` (replacing it); `max_growth`: bytes the workspace may still grow.
+
+        The growth is the new size less the file's old one, checked once the file is open
+        and before anything changes, so a refused write leaves the old contents.
+        """
         parts = split_path(path)
         dfd = self._open_parent(session, parts, create=True)
         # never O_TRUNC: the file is checked (regular, ours, one name) before it is changed
@@ -190,7 +200,18 @@ class Workspace:
         try:
             if created:
                 self._fchown(fd)
-            self._check_owned(fd, path)
+            st = self._check_owned(fd, path)
+            if max_growth is not None and len(data) - st.st_size > max_growth:
+                if created:  # leave no empty file behind
+                    pfd = self._open_parent(session, parts, create=False)
+                    try:
+                        os.unlink(parts[-1], dir_fd=pfd)
+                    except FileNotFoundError:
+                        pass
+                    finally:
+                        os.close(pfd)
+                raise QuotaExceeded(f"writing {len(data)} bytes to {path!r} would take the workspace over its "
+                                    f"quota ({max(0, max_growth)} bytes left)")
             os.ftruncate(fd, 0)
             view = memoryview(data)
             while view:

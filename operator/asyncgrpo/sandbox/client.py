@@ -268,6 +268,10 @@ class GatewayClient:
         self.http.close()
 
 
+_SHARED: dict[str, GatewayClient] = {}  # by gateway URL and token
+_SHARED_LOCK = threading.Lock()
+
+
 def shared_client(url: str | None = None) -> GatewayClient:
     """One client per gateway URL in this process (its connections and its heartbeat thread).
 

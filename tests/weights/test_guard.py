@@ -4,6 +4,7 @@ only; the pod itself (a client whose address is the server's) reaches everything
 from __future__ import annotations
 
 import asyncio
+import http.client
 
 import pytest
 
@@ -56,12 +57,23 @@ def test_middleware_answers_403_without_calling_vllm():
     assert called == ["/collective_rpc", "/v1/completions"]
 
 
+def status_from(host: str, port: int, path: str, source: str | None) -> int:
+    """The HTTP status of GET `path` on host:port from local address `source` (None: the
+    kernel's choice, 127.0.0.1 for a loopback destination)."""
+    conn = http.client.HTTPConnection(host, port, timeout=10,
+                                      source_address=(source, 0) if source else None)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
 def test_over_real_sockets_the_puller_is_admitted_and_other_local_pods_refused():
     """The local backend's case on real connections: a server on one pod's loopback address
     (127.A.B.n), the guard in front. The puller's client (which calls from the address it
     calls) reaches the dev routes; a client of another local pod, unbound (as the trainer's
     HTTP clients are: the kernel picks 127.0.0.1) or bound to that pod's own address, gets 403."""
-    import http.client
     import secrets
     import socket
     import threading
@@ -97,18 +109,9 @@ def test_over_real_sockets_the_puller_is_admitted_and_other_local_pods_refused()
         url = f"http://{pod}:{port}"
         assert VLLMControl(url).weight_version() == "7"  # the puller, from its pod's address
 
-        def status_from(source: str | None) -> int:
-            conn = http.client.HTTPConnection(
-                pod, port, timeout=10, source_address=(source, 0) if source else None)
-            try:
-                conn.request("GET", "/weight_info")
-                return conn.getresponse().status
-            finally:
-                conn.close()
-
-        assert status_from(None) == 403       # unbound: comes from 127.0.0.1
-        assert status_from(other) == 403      # another pod's own address
-        assert status_from(pod) == 200
+        assert status_from(pod, port, "/weight_info", None) == 403   # unbound: from 127.0.0.1
+        assert status_from(pod, port, "/weight_info", other) == 403  # another pod's address
+        assert status_from(pod, port, "/weight_info", pod) == 200
         with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
             assert resp.status == 200         # the public routes answer anyone
     finally:

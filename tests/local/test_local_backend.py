@@ -107,9 +107,15 @@ FULL_EXAMPLE = REPO / "examples" / "local-tiny-full.yaml"
 @pytest.mark.vllm
 def test_local_full_finetuning_serves_every_version_and_stops_everything(tmp_path):
     """Full fine-tuning locally: the vLLM pod's weights puller runs beside vLLM (one address,
-    one `weights` directory) and swaps every published version in (anchors every 3 versions,
-    deltas between), served == trained by the probe; the dev routes answer the puller but
-    not the trainer's pod; everything stops at the end."""
+    one `weights` directory) and follows the published versions to the newest, each one it
+    swaps in served == trained by the probe; the dev routes answer the puller but not the
+    trainer's pod; everything stops at the end.
+
+    The puller swaps in the newest version it finds each round (2 s), so a version published
+    less than a round after the previous one is skipped over, by design (measured: 4 swaps
+    for 6 versions). Every version is an anchor here: Adam moves 90-98 % of the tiny fp32
+    model's elements each step, and a delta (index + value) of more than half the elements
+    outweighs the copy; deltas are covered on vLLM by tests/weights/test_puller_vllm.py."""
     import re
     import socket
     import time
@@ -153,8 +159,8 @@ def test_local_full_finetuning_serves_every_version_and_stops_everything(tmp_pat
     published = status["published"]
     versions = [p["version"] for p in published]
     assert len(versions) >= steps and versions == list(range(1, len(versions) + 1))
-    assert {p["kind"] for p in published} == {"anchor", "delta"}
-    assert [p["version"] for p in published if p["kind"] == "anchor"] == versions[::3]
+    assert published[0]["kind"] == "anchor"
+    assert all(p["kind"] == "anchor" for p in published if p["version"] % 3 == 1)  # interval
     assert (f"run local-tiny-full finished: step {steps}, policy versions published: "
             f"v1..v{versions[-1]}") in result.stdout
 
@@ -162,9 +168,13 @@ def test_local_full_finetuning_serves_every_version_and_stops_everything(tmp_pat
     puller = json.loads((work / f"{pod}.weights-puller.status.json").read_text())
     assert puller["served_version"] == versions[-1] and puller["refused"] == {}, puller
     history = puller["history"]
-    assert [h["version"] for h in history] == versions, history  # every version swapped in
-    assert all(h["probe_max_diff"] <= 1e-5 for h in history), history
-    assert f"{pod} served weights v1..v{versions[-1]} ({len(versions)} swaps" in result.stdout
+    served = [h["version"] for h in history]
+    print(f"published {[(p['version'], p['kind']) for p in published]}, served {served}")
+    # v1 before any rollout, then forward only, up to the newest
+    assert served[0] == 1 and served[-1] == versions[-1] and served == sorted(set(served))
+    assert all(h["probe_max_diff"] <= 1e-5 for h in history), history  # served == trained
+    assert all(h["probe_cached_diff"] <= 1e-5 for h in history), history  # no stale KV
+    assert f"{pod} served weights v1..v{versions[-1]} ({len(served)} swaps" in result.stdout
     assert (work / f"{pod}.weights-puller.log").exists()
 
     # nothing it started is left: S3, vLLM and the puller ports answer no more

@@ -6,7 +6,8 @@ translation (`asyncgrpo.local.pods`): first the bucket setup Job's pod (`asyncgr
 setup`, the one implementation of bucket creation and the folder's ownership marker, which a
 cluster runs as a Job), then vLLM from the vLLM venv with the S3 LoRA resolver (or, for
 full fine-tuning, with its weights puller sidecar beside it: every container of a pod is a
-process, sharing the pod's address and volume directories), sandbox servers and a gateway when the run has `spec.sandboxes`, and the trainer nodes
+process, sharing the pod's address and volume directories), sandbox servers and a gateway
+when the run has `spec.sandboxes`, and the trainer nodes
 (torchrun, as in the StatefulSet). An S3 server is started first when the adapter store
 points at loopback and nothing listens there (moto). It follows the trainer until it exits,
 stops everything it started, and reports what the run produced.
@@ -171,10 +172,10 @@ class LocalBackend:
                 (setup,) = procs[pod.name]
                 self._setup_bucket(pod, setup)
             self.say(f"starting vLLM ({self.run.spec.model.name}); this takes 30-60 s on a CPU")
-            server = procs[by["vllm"][0].name]
-            servers = self._start_pod(server)
+            vllm_pod = procs[by["vllm"][0].name]
+            servers = self._start_pod(vllm_pod)
             self.say("vLLM ready on " + ", ".join(
-                f"{_host_port(lp.ready_url)} ({lp.name})" for lp in server))
+                f"{_host_port(lp.ready_url)} ({lp.name})" for lp in vllm_pod))
             for pod in by["sandbox"]:
                 self._start_pod(procs[pod.name])
             for pod in by["gateway"]:
@@ -183,7 +184,7 @@ class LocalBackend:
                          f"on {_host_port(procs[pod.name][0].ready_url)}")
             code = self._train([procs[pod.name][0] for pod in by["trainer"]], servers, poll_s)
             if code == 0:
-                self._report_weights([lp for lp in server
+                self._report_weights([lp for lp in vllm_pod
                                       if lp.container == vllm.PULLER_CONTAINER])
             return code
         finally:

@@ -20,8 +20,11 @@ from tests.api.invalid_specs import REPO
 EXAMPLE = REPO / "examples" / "local-tiny.yaml"
 
 
-def _local_run(tmp_path: Path, mutate=None, env=None, max_steps: int = 3):
-    doc = yaml.safe_load(EXAMPLE.read_text())
+def _local_run(tmp_path: Path, mutate=None, env=None, max_steps: int = 3, example=EXAMPLE,
+               during=None):
+    """`asyncgrpo local run` of `example` (its model, prompts and ports made this test's);
+    `during(stdout_path, process)` is called while it runs."""
+    doc = yaml.safe_load(example.read_text())
     s3_port = free_port()
     doc["spec"]["adapterStore"]["endpoint"] = f"http://127.0.0.1:{s3_port}"
     doc["spec"]["model"]["name"] = str(tmp_path / "demo" / "tiny-qwen3")
@@ -34,11 +37,22 @@ def _local_run(tmp_path: Path, mutate=None, env=None, max_steps: int = 3):
     cli = [sys.executable, "-m", "asyncgrpo.cli", "local"]
     subprocess.run([*cli, "demo-assets", str(tmp_path / "demo")], check=True,
                    capture_output=True, timeout=300)
-    result = subprocess.run(
-        [*cli, "run", str(run_file), "--workdir", str(tmp_path / "work"),
-         "--max-steps", str(max_steps)],
-        check=False, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
-    return result, s3_port
+    argv = [*cli, "run", str(run_file), "--workdir", str(tmp_path / "work"),
+            "--max-steps", str(max_steps)]
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(argv, stdout=o, stderr=e, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        if during is not None:
+            during(out, proc)
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, out.read_text(),
+                                       err.read_text()), s3_port
 
 
 @pytest.mark.slow
@@ -86,6 +100,90 @@ def test_two_trainer_pods_train_together(tmp_path):
     assert "metrics on :" in node1 and "Traceback" not in node1
 
 
+FULL_EXAMPLE = REPO / "examples" / "local-tiny-full.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_local_full_finetuning_serves_every_version_and_stops_everything(tmp_path):
+    """Full fine-tuning locally: the vLLM pod's weights puller runs beside vLLM (one address,
+    one `weights` directory) and follows the published versions to the newest, each one it
+    swaps in served == trained by the probe; the dev routes answer the puller but not the
+    trainer's pod; everything stops at the end.
+
+    The puller swaps in the newest version it finds each round (2 s), so a version published
+    less than a round after the previous one is skipped over, by design (measured: 4 swaps
+    for 6 versions). Every version is an anchor here: Adam moves 90-98 % of the tiny fp32
+    model's elements each step, and a delta (index + value) of more than half the elements
+    outweighs the copy; deltas are covered on vLLM by tests/weights/test_puller_vllm.py."""
+    import re
+    import socket
+    import time
+
+    from tests.weights.test_guard import status_from
+
+    if vllm_python() is None:
+        pytest.skip("vLLM venv missing: run hack/setup-vllm-venv.sh (make test does)")
+    steps, pod = 5, "local-tiny-full-vllm-0"
+    seen: dict = {}
+
+    def during(stdout: Path, proc: subprocess.Popen):
+        """Once the trainer runs: the guarded routes, from each side (real sockets)."""
+        while proc.poll() is None:
+            text = stdout.read_text()
+            served = re.search(rf"vLLM ready on (127[\d.]+):(\d+) \({pod}\), "
+                               rf"127[\d.]+:(\d+) \({pod}.weights-puller\)", text)
+            trainer = re.search(r"metrics on (127[\d.]+):", text)
+            if served and trainer:
+                host, port = served[1], int(served[2])
+                seen["vllm"], seen["puller_port"] = (host, port), int(served[3])
+                seen["statuses"] = {who: status_from(host, port, "/weight_info", source)
+                                    for who, source in (("pod", host), ("unbound", None),
+                                                        ("trainer", trainer[1]))}
+                seen["models"] = status_from(host, port, "/v1/models", trainer[1])
+                return
+            time.sleep(1)
+
+    t0 = time.monotonic()
+    result, s3_port = _local_run(tmp_path, max_steps=steps, example=FULL_EXAMPLE, during=during)
+    seen["wall_s"] = time.monotonic() - t0
+    print(f"local full fine-tuning run of {steps} steps: {seen['wall_s']:.0f} s wall")
+    assert result.returncode == 0, result.stdout + result.stderr
+    # the trainer's pod reaches the OpenAI routes, not the dev routes; the puller's pod does
+    assert seen.get("statuses") == {"pod": 200, "unbound": 403, "trainer": 403}, seen
+    assert seen["models"] == 200
+
+    work = tmp_path / "work"
+    status = json.loads((work / "local-tiny-full-trainer-0" / "work" / "status.json")
+                        .read_text())
+    published = status["published"]
+    versions = [p["version"] for p in published]
+    assert len(versions) >= steps and versions == list(range(1, len(versions) + 1))
+    assert published[0]["kind"] == "anchor"
+    assert all(p["kind"] == "anchor" for p in published if p["version"] % 3 == 1)  # interval
+    assert (f"run local-tiny-full finished: step {steps}, policy versions published: "
+            f"v1..v{versions[-1]}") in result.stdout
+
+    # the puller's /status, kept by the backend before it stopped the pod
+    puller = json.loads((work / f"{pod}.weights-puller.status.json").read_text())
+    assert puller["served_version"] == versions[-1] and puller["refused"] == {}, puller
+    history = puller["history"]
+    served = [h["version"] for h in history]
+    print(f"published {[(p['version'], p['kind']) for p in published]}, served {served}")
+    # v1 before any rollout, then forward only, up to the newest
+    assert served[0] == 1 and served[-1] == versions[-1] and served == sorted(set(served))
+    assert all(h["probe_max_diff"] <= 1e-5 for h in history), history  # served == trained
+    assert all(h["probe_cached_diff"] <= 1e-5 for h in history), history  # no stale KV
+    assert f"{pod} served weights v1..v{versions[-1]} ({len(served)} swaps" in result.stdout
+    assert (work / f"{pod}.weights-puller.log").exists()
+
+    # nothing it started is left: S3, vLLM and the puller ports answer no more
+    host, port = seen["vllm"]
+    for address in (("127.0.0.1", s3_port), (host, port), (host, seen["puller_port"])):
+        with socket.socket() as s:
+            assert s.connect_ex(address) != 0, address
+
+
 def _setup_backend(tmp_path, endpoint: str, name: str = "local-tiny"):
     from asyncgrpo.api import load_run
     from asyncgrpo.local.backend import LocalBackend
@@ -116,7 +214,8 @@ def test_the_bucket_is_set_up_by_the_jobs_command_with_its_marker(tmp_path, s3_s
         try:
             backend._s3()
             pods, procs = backend._processes()
-            backend._setup_bucket(pods[0], procs[pods[0].name])
+            (setup_process,) = procs[pods[0].name]
+            backend._setup_bucket(pods[0], setup_process)
         finally:
             backend.stop()
 

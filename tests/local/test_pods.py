@@ -21,9 +21,19 @@ from asyncgrpo.local.pods import (
     PodTranslationError,
     parse_dockerfile_env,
     translate,
+    translate_pod,
 )
 from asyncgrpo.local.vllm import vllm_venv
-from asyncgrpo.wire import BIND_HOST_ENV, SANDBOX_PORT, VLLM_PORT
+from asyncgrpo.wire import (
+    ADAPTER_ENDPOINT_ENV,
+    BIND_HOST_ENV,
+    PULLER_PORT,
+    SANDBOX_PORT,
+    VLLM_PORT,
+    WEIGHTS_DIR_ENV,
+    WEIGHTS_PORT_ENV,
+    WEIGHTS_VLLM_URL_ENV,
+)
 from asyncgrpo.wire import TRAINER_RENDEZVOUS_PORT as RENDEZVOUS_PORT
 from tests.api.invalid_specs import REPO
 
@@ -136,6 +146,47 @@ def test_two_trainer_nodes_meet_at_node_zero(tmp_path):
     assert all(f"--master-addr={master}" in w for w in words)
     # each node's own work dir
     assert len({placement.volumes[p.name]["work"] for p in nodes}) == 2
+
+
+def test_full_finetuning_runs_the_weights_puller_beside_its_vllm(tmp_path):
+    """The vLLM pod of a full fine-tuning run is two processes, as two containers of one pod:
+    one address (the puller's `127.0.0.1` is its pod's), one `weights` directory (the puller
+    writes the copy vLLM reloads), the puller's readiness on its own port; the bucket's
+    loopback endpoint stays the machine's."""
+    run, pods, placement, _ = local("local-tiny-full.yaml", tmp_path)
+    pod = next(p for p in pods if p.component == vllm.COMPONENT)
+    server, puller = translate_pod(pod.name, pod.spec, placement)
+    addr = placement.addresses[pod.name]
+    assert (server.name, puller.name) == (pod.name, f"{pod.name}.{vllm.PULLER_CONTAINER}")
+    assert server.container is None and puller.container == vllm.PULLER_CONTAINER
+    assert puller.argv == ["asyncgrpo", "weights", "pull"]
+    assert puller.env[BIND_HOST_ENV] == server.env[BIND_HOST_ENV] == addr
+    assert puller.env[WEIGHTS_VLLM_URL_ENV] == f"http://{addr}:{VLLM_PORT}"
+    assert server.argv[server.argv.index("--host") + 1] == addr
+    assert server.argv[server.argv.index("--middleware") + 1] == (
+        "asyncgrpo.weights.guard.DevRoutesLoopbackOnly")
+    weights = placement.volumes[pod.name]["weights"]
+    assert puller.env[WEIGHTS_DIR_ENV] == weights and Path(weights).is_dir()
+    assert puller.env[WEIGHTS_PORT_ENV] == str(PULLER_PORT)
+    assert puller.ready_url == f"http://{addr}:{PULLER_PORT}/ready"
+    assert server.ready_url == f"http://{addr}:{VLLM_PORT}/health"
+    for lp in (server, puller):
+        assert lp.env[ADAPTER_ENDPOINT_ENV] == run.spec.adapter_store.endpoint
+        assert lp.env["AWS_ENDPOINT_URL_S3"] == "http://127.0.0.1:9000"
+        assert lp.cpus == {1}
+    assert puller.env["PATH"].split(":")[0] == str(vllm_venv() / "bin")  # the vLLM image's
+
+
+def test_a_pods_own_loopback_is_its_address_but_machine_endpoints_stay():
+    p = placement(machine_endpoints=("127.0.0.1:9000",), ports={8000: 18000})
+    lp = translate("p-0", container(
+        args=["http://127.0.0.1:8000/x", "localhost:8000", "http://127.0.0.1:9000",
+              "127.0.0.10", "127.0.0.1.nip.io"],
+        env=[{"name": "S3", "value": "http://127.0.0.1:9000"},
+             {"name": "ME", "value": "http://localhost"}]), p)
+    assert lp.argv[1:] == ["http://127.9.9.1:18000/x", "127.9.9.1:18000",
+                           "http://127.0.0.1:9000", "127.0.0.10", "127.0.0.1.nip.io"]
+    assert lp.env["S3"] == "http://127.0.0.1:9000" and lp.env["ME"] == "http://127.9.9.1"
 
 
 def test_a_run_needing_a_cluster_config_map_is_refused(tmp_path):
@@ -266,15 +317,17 @@ def test_dockerfile_env_is_the_last_stage_s():
 
 
 def test_servers_without_a_host_flag_bind_the_pods_address(monkeypatch):
-    """ASYNCGRPO_BIND_HOST is the default host of the sandbox server, the gateway and the
-    trainer's metrics endpoint; unset (in a pod) they bind every interface."""
+    """ASYNCGRPO_BIND_HOST is the default host of the sandbox server, the gateway, the
+    weights puller and the trainer's metrics endpoint; unset (in a pod) they bind every interface."""
     from asyncgrpo.cli import build_parser
     from asyncgrpo.trainer.metrics import TrainerMetrics
 
-    for argv in (["sandbox", "serve"], ["gateway"]):
+    servers = (["sandbox", "serve"], ["gateway"], ["weights", "pull"])
+    monkeypatch.delenv(BIND_HOST_ENV, raising=False)
+    for argv in servers:
         assert build_parser(argv).parse_args(argv).host == "0.0.0.0"
     monkeypatch.setenv(BIND_HOST_ENV, "127.77.0.1")
-    for argv in (["sandbox", "serve"], ["gateway"]):
+    for argv in servers:
         assert build_parser(argv).parse_args(argv).host == "127.77.0.1"
     node = TrainerMetrics.for_node(1)
     node.serve(0)

@@ -36,6 +36,8 @@ from asyncgrpo.controller.metrics import scrape_annotations
 from asyncgrpo.wire import CACHE_DIR, PULLER_PORT, VLLM_PORT, WEIGHTS_DIR
 
 COMPONENT = "vllm"
+#: the weights puller sidecar's container name (full fine-tuning)
+PULLER_CONTAINER = "weights-puller"
 
 
 def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
@@ -80,7 +82,7 @@ def puller_container(run: AsyncGRPORun) -> dict[str, Any]:
         {"name": wire.WEIGHTS_PORT_ENV, "value": str(PULLER_PORT)},
     ]
     return {
-        "name": "weights-puller",
+        "name": PULLER_CONTAINER,
         "image": run.spec.rollout.image,
         "command": ["asyncgrpo", "weights", "pull"],
         "env": env + bucket_env(run),

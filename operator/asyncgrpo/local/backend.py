@@ -4,8 +4,10 @@ It runs the pods the operator would create (`asyncgrpo.local.placement.run_pods`
 operator's own builders), each container translated to a process by the one documented
 translation (`asyncgrpo.local.pods`): first the bucket setup Job's pod (`asyncgrpo bucket
 setup`, the one implementation of bucket creation and the folder's ownership marker, which a
-cluster runs as a Job), then vLLM from the vLLM venv with the S3 LoRA resolver,
-sandbox servers and a gateway when the run has `spec.sandboxes`, and the trainer nodes
+cluster runs as a Job), then vLLM from the vLLM venv with the S3 LoRA resolver (or, for
+full fine-tuning, with its weights puller sidecar beside it: every container of a pod is a
+process, sharing the pod's address and volume directories), sandbox servers and a gateway
+when the run has `spec.sandboxes`, and the trainer nodes
 (torchrun, as in the StatefulSet). An S3 server is started first when the adapter store
 points at loopback and nothing listens there (moto). It follows the trainer until it exits,
 stops everything it started, and reports what the run produced.
@@ -32,7 +34,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from asyncgrpo.api import AsyncGRPORun
-from asyncgrpo.controller import bucketjob
+from asyncgrpo.controller import bucketjob, vllm
 from asyncgrpo.local.net import listening
 from asyncgrpo.local.placement import (
     Pod,
@@ -41,7 +43,7 @@ from asyncgrpo.local.placement import (
     run_pods,
     termination_log,
 )
-from asyncgrpo.local.pods import LocalProcess, PodTranslationError, translate
+from asyncgrpo.local.pods import LocalProcess, PodTranslationError, translate_pod
 from asyncgrpo.local.processes import ManagedProcess
 from asyncgrpo.local.s3 import S3Server
 from asyncgrpo.wire import BIND_HOST_ENV, METRICS_PORT_ENV, WORK_DIR_ENV
@@ -81,9 +83,6 @@ class LocalBackend:
         if s.adapter_store.endpoint is None:
             raise LocalRunError("spec.adapterStore.endpoint: the local backend needs an S3 "
                                 "endpoint (http://127.0.0.1:PORT starts a local S3 server)")
-        if s.model.finetuning != "lora":
-            raise LocalRunError("spec.model.finetuning: the local backend serves adapters "
-                                "through the bucket; full fine-tuning needs a cluster")
         if s.harness.tools and s.sandboxes is None:
             raise LocalRunError("spec.sandboxes: tools need sandboxes")
         if s.data.config_map is not None:
@@ -132,7 +131,16 @@ class LocalBackend:
     def _start(self, lp: LocalProcess, *, wait: bool) -> ManagedProcess:
         return start_process(lp, self.workdir, started=self.started, wait=wait)
 
-    def _processes(self) -> tuple[list[Pod], dict[str, LocalProcess]]:
+    def _start_pod(self, containers: list[LocalProcess]) -> list[ManagedProcess]:
+        """Every container of a pod at once (as a kubelet starts them), then each one's
+        readiness probe in turn: the pod is ready when all are."""
+        procs = [self._start(lp, wait=False) for lp in containers]
+        for proc, lp in zip(procs, containers):
+            if lp.ready_url:
+                _wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
+        return procs
+
+    def _processes(self) -> tuple[list[Pod], dict[str, list[LocalProcess]]]:
         """The run's pods, from the operator's builders, as local processes: the bucket
         setup Job's pod first, then the workloads' pods in start order."""
         sb = self.run.spec.sandboxes
@@ -142,8 +150,7 @@ class LocalBackend:
             placement = build_placement(self.run, pods, self.workdir,
                                         s3_credentials=dict(self.env),
                                         max_steps=self.max_steps, cpus=_split_cpus())
-            return pods, {p.name: translate(p.name, p.spec["containers"][0], placement)
-                          for p in pods}
+            return pods, {p.name: translate_pod(p.name, p.spec, placement) for p in pods}
         except (ValueError, PodTranslationError) as e:
             raise LocalRunError(f"cannot run this run's pods locally: {e}") from None
 
@@ -162,22 +169,31 @@ class LocalBackend:
             by = {c: [p for p in pods if p.component == c]
                   for c in (bucketjob.SETUP, "vllm", "sandbox", "gateway", "trainer")}
             for pod in by[bucketjob.SETUP]:
-                self._setup_bucket(pod, procs[pod.name])
+                (setup,) = procs[pod.name]
+                self._setup_bucket(pod, setup)
             self.say(f"starting vLLM ({self.run.spec.model.name}); this takes 30-60 s on a CPU")
-            server = self._start(procs[by["vllm"][0].name], wait=True)
+            vllm_pod = procs[by["vllm"][0].name]
+            servers = self._start_pod(vllm_pod)
+            self.say("vLLM ready on " + ", ".join(
+                f"{_host_port(lp.ready_url)} ({lp.name})" for lp in vllm_pod))
             for pod in by["sandbox"]:
-                self._start(procs[pod.name], wait=True)
+                self._start_pod(procs[pod.name])
             for pod in by["gateway"]:
-                self._start(procs[pod.name], wait=True)
+                self._start_pod(procs[pod.name])
                 self.say(f"started {len(by['sandbox'])} sandbox server(s) behind a gateway "
-                         f"on {_host_port(procs[pod.name].ready_url)}")
-            return self._train([procs[pod.name] for pod in by["trainer"]], server, poll_s)
+                         f"on {_host_port(procs[pod.name][0].ready_url)}")
+            code = self._train([procs[pod.name][0] for pod in by["trainer"]], servers, poll_s)
+            if code == 0:
+                self._report_weights([lp for lp in vllm_pod
+                                      if lp.container == vllm.PULLER_CONTAINER])
+            return code
         finally:
             self.stop()
 
-    def _train(self, nodes: list[LocalProcess], server: ManagedProcess, poll_s: float) -> int:
-        """Start the trainer nodes and follow them to their end (vLLM must stay up); the
-        first failing node's exit code, after stopping the others."""
+    def _train(self, nodes: list[LocalProcess], servers: list[ManagedProcess],
+               poll_s: float) -> int:
+        """Start the trainer nodes and follow them to their end (the vLLM pod's processes
+        must stay up); the first failing node's exit code, after stopping the others."""
         self.status_path = Path(nodes[0].env[WORK_DIR_ENV]) / "status.json"
         world = self.run.world_size
         self.say(f"starting the trainer ({world} process{'es' if world > 1 else ''}); "
@@ -186,9 +202,10 @@ class LocalBackend:
         last_step = -1
         while any(t.running for t in trainers):
             time.sleep(poll_s)
-            if not server.running:
-                raise LocalRunError(f"vLLM exited ({server.proc.returncode}); "
-                                    f"see {server.log_path}")
+            for server in servers:
+                if not server.running:
+                    raise LocalRunError(f"{server.name} exited ({server.proc.returncode}); "
+                                        f"see {server.log_path}")
             if any(not t.running and t.proc.returncode != 0 for t in trainers):
                 break
             status = self.trainer_status()
@@ -205,6 +222,32 @@ class LocalBackend:
             return bad.proc.returncode
         self.say(self.summary())
         return 0
+
+    def _report_weights(self, pullers: list[LocalProcess], timeout_s: float = 120.0) -> None:
+        """Full fine-tuning: wait (bounded) until each puller serves the trainer's newest
+        version, keep its `/status` as `<workdir>/<pod>.<container>.status.json` (the
+        processes are stopped next) and say what each replica served."""
+        published = [p["version"] for p in (self.trainer_status() or {}).get("published", [])]
+        if not pullers or not published:
+            return
+        for lp in pullers:
+            url = urlparse(lp.ready_url or "")._replace(path="/status").geturl()
+            deadline = time.monotonic() + timeout_s
+            status: dict = {}
+            while True:
+                try:
+                    with urllib.request.urlopen(url, timeout=5) as resp:
+                        status = json.loads(resp.read())
+                except (OSError, ValueError):
+                    pass
+                if (status.get("served_version") or 0) >= published[-1]:
+                    break
+                if time.monotonic() > deadline:
+                    self.say(f"{lp.name}: v{published[-1]} not served after {timeout_s:.0f} s")
+                    break
+                time.sleep(1.0)
+            (self.workdir / f"{lp.name}.status.json").write_text(json.dumps(status, indent=1))
+            self.say(_weights_line(lp.pod, status))
 
     def trainer_status(self) -> dict | None:
         if self.status_path is None:
@@ -238,8 +281,8 @@ def start_process(lp: LocalProcess, log_dir: Path, *, started: list, wait: bool 
                   ) -> ManagedProcess:
     """Start one translated container (log `<log_dir>/<pod>.log`, pinned to its CPUs), add
     it to `started` (what the caller stops), and wait for its readiness probe if asked."""
-    proc = ManagedProcess.start(lp.pod, lp.argv, env=lp.env, cwd=Path(lp.cwd),
-                                log_path=log_dir / f"{lp.pod}.log",
+    proc = ManagedProcess.start(lp.name, lp.argv, env=lp.env, cwd=Path(lp.cwd),
+                                log_path=log_dir / f"{lp.name}.log",
                                 cpus=set(lp.cpus) if lp.cpus else None)
     started.append(proc)
     if wait and lp.ready_url:
@@ -268,6 +311,17 @@ def _wait_ready(proc: ManagedProcess, url: str, timeout_s: float) -> None:
 def _host_port(url: str | None) -> str:
     u = urlparse(url or "")
     return f"{u.hostname}:{u.port}"
+
+
+def _weights_line(pod: str, status: dict) -> str:
+    """What one replica's puller served: versions swapped in and the worst probe difference."""
+    history = status.get("history") or []
+    served = [h["version"] for h in history]
+    diffs = [h["probe_max_diff"] for h in history if "probe_max_diff" in h]
+    shown = f"v{served[0]}..v{served[-1]} ({len(served)} swaps)" if served else "no version"
+    worst = f", probe max diff {max(diffs):.1e}" if diffs else ""
+    refused = f", refused {sorted(status['refused'])}" if status.get("refused") else ""
+    return f"{pod} served weights {shown}{worst}{refused}"
 
 
 def _progress_line(status: dict) -> str:

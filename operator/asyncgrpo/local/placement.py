@@ -20,6 +20,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from asyncgrpo.api import AsyncGRPORun
 from asyncgrpo.controller import bucketjob, configmap, gateway, sandboxes, trainer, vllm
@@ -191,6 +192,13 @@ def host_paths(run: AsyncGRPORun) -> tuple[str, ...]:
     return tuple(p for p in named if p and os.path.isabs(p) and os.path.exists(p))
 
 
+def machine_endpoints(run: AsyncGRPORun) -> tuple[str, ...]:
+    """The run's endpoints on the machine, reached as written from every pod: the S3 endpoint
+    (`host[:port]`; at a loopback address it is the machine's, not a pod's own loopback)."""
+    endpoint = run.spec.adapter_store.endpoint
+    return (urlsplit(endpoint).netloc,) if endpoint else ()
+
+
 def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
                     s3_credentials: dict[str, str], max_steps: int | None = None,
                     cpus: dict[str, set[int] | None] | None = None) -> LocalPlacement:
@@ -240,6 +248,7 @@ def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
         pythonpath=(str(PACKAGE_ROOT), os.getcwd()),
         namespace=run.metadata.namespace or "default",
         host_paths=host_paths(run),
+        machine_endpoints=machine_endpoints(run),
         cpus={p.name: frozenset(cpus[p.component]) for p in pods
               if cpus and cpus.get(p.component)},
     )

@@ -21,6 +21,11 @@ Rules, applied to the container's command + args and to every env value:
 * Service / pod DNS names -> the pod's loopback address (127.x.y.z; any of them binds
   without configuration), `name:port` -> `address:local port`; `0.0.0.0` -> the pod's
   address, and ASYNCGRPO_BIND_HOST names it to servers that bind without a host flag.
+  A pod's own loopback (`127.0.0.1`, `localhost`: how a sidecar reaches the container beside
+  it) -> the pod's address too, except the placement's machine endpoints (a loopback S3
+  endpoint is the machine's, reached as written).
+* containers: every container of a pod is a process (`translate_pod`); they share the pod's
+  address, its volumes' directories and its ports, as containers of a pod do.
 * ports: a port is the same inside every pod unless the placement remaps it (a program
   that binds every interface, torch's TCPStore, shares the port space of the machine);
   numbers are rewritten only where they name a port: `host:PORT`, a variable whose name
@@ -68,11 +73,13 @@ class LocalPlacement:
     namespace: str = "default"
     cpus: Mapping[str, frozenset[int]] = field(default_factory=dict)  # pod -> cpus (pinning)
     host_paths: tuple[str, ...] = ()                # absolute paths never rewritten
+    machine_endpoints: tuple[str, ...] = ()         # loopback `host[:port]`s never rewritten
 
 
 @dataclass(frozen=True)
 class LocalProcess:
-    """One container as a process: what to exec, and where it answers its readiness probe."""
+    """One container as a process: what to exec, and where it answers its readiness probe.
+    `container` is None for a pod's first container and the name of any other (a sidecar)."""
 
     pod: str
     argv: list[str]
@@ -81,6 +88,12 @@ class LocalProcess:
     ready_url: str | None = None
     ready_timeout_s: float = 120.0
     cpus: frozenset[int] | None = None
+    container: str | None = None
+
+    @property
+    def name(self) -> str:
+        """`<pod>` for the first container, `<pod>.<container>` for a sidecar (log names)."""
+        return self.pod if self.container is None else f"{self.pod}.{self.container}"
 
 
 def parse_dockerfile_env(text: str) -> dict[str, str]:
@@ -114,7 +127,7 @@ class _Rewriter:
                 Path(local_dirs[m["name"]]) / m.get("subPath", ""))
         self.pattern = re.compile(
             rf"(?<![\w./-])(?P<mount>{_alternation(self.mounts)})(?=$|[/\s\"':;,])"
-            rf"|(?<![\w.-])(?P<host>{_alternation(p.hosts)}|0\.0\.0\.0)"
+            rf"|(?<![\w.-])(?P<host>{_alternation(p.hosts)}|0\.0\.0\.0|{_OWN_LOOPBACK})"
             r"(?::(?P<port>\d+))?(?![\w.-])")
 
     def port(self, port: int | str) -> str:
@@ -131,6 +144,10 @@ class _Rewriter:
             return self.mounts[m["mount"]]
         if m["host"] == "0.0.0.0":
             address = self.address
+        elif re.fullmatch(_OWN_LOOPBACK, m["host"]):
+            if m[0] in self.p.machine_endpoints:
+                return m[0]
+            address = self.address
         else:
             pod = self.p.hosts[m["host"]]
             if pod not in self.p.addresses:
@@ -140,6 +157,8 @@ class _Rewriter:
         return address + (f":{self.port(m['port'])}" if m["port"] else "")
 
 
+#: a pod's own loopback names
+_OWN_LOOPBACK = r"127\.0\.0\.1|localhost"
 _PORT_FLAG = re.compile(r"^(--[\w-]*port)(=\"?)(\d+)(\"?)$")
 
 
@@ -166,7 +185,14 @@ def _value_from(ref: dict, pod: str, address: str, p: LocalPlacement) -> str | N
     raise PodTranslationError(f"pod {pod}: valueFrom {sorted(ref)} is not available locally")
 
 
-def translate(pod: str, container: dict, p: LocalPlacement) -> LocalProcess:
+def translate_pod(pod: str, spec: dict, p: LocalPlacement) -> list[LocalProcess]:
+    """Every container of the pod named `pod` (its `spec`), in order: the first is the pod's
+    main process, the others its sidecars."""
+    return [translate(pod, c, p, sidecar=i > 0) for i, c in enumerate(spec["containers"])]
+
+
+def translate(pod: str, container: dict, p: LocalPlacement, *,
+              sidecar: bool = False) -> LocalProcess:
     """The local process for `container` of the pod named `pod`. Pure: reads no file and
     starts nothing."""
     image = p.images.get(container["image"])
@@ -207,7 +233,8 @@ def translate(pod: str, container: dict, p: LocalPlacement) -> LocalProcess:
 
     ready_url, timeout = _probe(container, rw)
     return LocalProcess(pod=pod, argv=out, env=env, cwd=p.cwd, ready_url=ready_url,
-                        ready_timeout_s=timeout, cpus=p.cpus.get(pod))
+                        ready_timeout_s=timeout, cpus=p.cpus.get(pod),
+                        container=container["name"] if sidecar else None)
 
 
 def _port_env(name: str, value: str, rw: _Rewriter) -> str:

@@ -23,7 +23,9 @@ def register(subparsers) -> None:
                                                 f"http://127.0.0.1:{wire.VLLM_PORT}"))
     pull.add_argument("--work-dir", default=env(wire.WEIGHTS_DIR_ENV, wire.WEIGHTS_DIR),
                       help="local full copy (give it an emptyDir sized for two full copies)")
-    pull.add_argument("--host", default=env(wire.WEIGHTS_HOST_ENV, "0.0.0.0"))
+    # every interface in a pod; the local backend's pod address (BIND_HOST_ENV) on one machine
+    pull.add_argument("--host", default=env(wire.WEIGHTS_HOST_ENV)
+                      or env(wire.BIND_HOST_ENV) or "0.0.0.0")
     # /ready and /status: the vLLM pod's readiness probe asks it
     pull.add_argument("--port", type=int, default=int(env(wire.WEIGHTS_PORT_ENV, wire.PULLER_PORT)))
     pull.add_argument("--poll-seconds", type=float, default=float(env(wire.WEIGHTS_POLL_ENV, "2")))

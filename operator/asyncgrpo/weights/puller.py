@@ -30,6 +30,9 @@ it: a puller killed mid-apply starts again from an anchor).
 
 from __future__ import annotations
 
+import functools
+import http.client
+import ipaddress
 import json
 import logging
 import os
@@ -37,6 +40,7 @@ import shutil
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -59,12 +63,38 @@ class SwapFailed(RuntimeError):
     """vLLM refused or failed a step of the swap."""
 
 
+class _FromAddress(urllib.request.HTTPHandler):
+    """Plain HTTP from a given local address (the source of every connection it opens)."""
+
+    def __init__(self, address: str):
+        super().__init__()
+        self.address = address
+
+    def http_open(self, req):
+        return self.do_open(functools.partial(http.client.HTTPConnection,
+                                              source_address=(self.address, 0)), req)
+
+
+def _opener(base_url: str) -> urllib.request.OpenerDirector:
+    """Calls to a loopback address come *from* that address: the dev-route guard admits a
+    client whose address is the server's (its own pod, asyncgrpo.weights.guard). In a pod
+    that is 127.0.0.1 either way; the local backend's pods have one loopback address each,
+    where an unbound client would come from 127.0.0.1 and be refused."""
+    host = urllib.parse.urlsplit(base_url).hostname
+    try:
+        loopback = host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return urllib.request.build_opener(*([_FromAddress(host)] if loopback else []))
+
+
 class VLLMControl:
     """The few HTTP calls the puller makes to its own vLLM (loopback, dev-mode routes)."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self._opener = _opener(self.base_url)
 
     def call(self, method: str, path: str, body: dict | None = None,
              timeout: float | None = None) -> tuple[int, object]:
@@ -72,7 +102,7 @@ class VLLMControl:
         req = urllib.request.Request(self.base_url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+            with self._opener.open(req, timeout=timeout or self.timeout_s) as resp:
                 raw, status = resp.read(), resp.status
         except urllib.error.HTTPError as e:
             raw, status = e.read(), e.code

@@ -130,6 +130,10 @@ def _uvicorn_run(app, host: str, port: int) -> int:
         # h11 enforces the header size cap below (httptools would not); the subclass closes
         # connections that do not finish their request head within 10 s
         http=header_timeout_protocol(),
+        # asyncio's own loop: uvicorn would pick uvloop wherever it is installed (uvicorn
+        # [standard], trackio, ...), and uvloop's subprocess_exec refuses user/group: every
+        # exec of a sandbox that drops to the command uid would answer 500
+        loop="asyncio",
         backlog=4096,
         h11_max_incomplete_event_size=64 * 1024,  # caps request line + headers
     )

@@ -100,18 +100,35 @@ def served_prompt_logprobs(
 
 def trained_prompt_logprobs(model, token_ids: Sequence[int]) -> list[float]:
     """The same quantity from a local (peft) causal LM, in float32, with no dropout."""
+    return trained_probe(model, token_ids)[0]
+
+
+def trained_probe(model, token_ids: Sequence[int]) -> tuple[list[float], float]:
+    """log p(token[i] | token[:i]) for i >= 1, and the log-prob of the greedy token after the
+    whole probe, from one forward (every FSDP2 rank takes part).
+
+    The first is what vLLM serves for prompt log-probs, which skip the prefix cache; the second
+    is what it serves when generating after a prompt it has cached (full fine-tuning's puller
+    uses it: a replica that kept KV from the previous weights shows up there).
+
+    accelerate wraps `forward` in autocast when the Trainer runs mixed precision (TRL's
+    default bf16=True, CPU included): measured, that alone moved the probe by 2.3e-3 on the
+    tiny model. vLLM serves the weights in their own dtype, so they are scored unwrapped.
+    """
     import torch
 
+    forward = getattr(model, "_original_forward", None) or model.forward
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             ids = torch.tensor([list(token_ids)], dtype=torch.long,
                                device=next(model.parameters()).device)
-            logits = model(input_ids=ids).logits.float()
-            logp = torch.log_softmax(logits[0, :-1], dim=-1)
-            picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
-            return [float(x) for x in picked.cpu()]
+            with torch.autocast(ids.device.type, enabled=False):
+                logits = forward(input_ids=ids).logits
+            logp = torch.log_softmax(logits[0].float(), dim=-1)
+            picked = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+            return [float(x) for x in picked.cpu()], float(logp[-1].max())
     finally:
         if was_training:
             model.train()

@@ -245,7 +245,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         BucketWeightTransfer on rank 0, which picks the version number."""
         if self._weights is None:
             return super()._sync_weight_merged(t0)
-        from asyncgrpo.trainer.weights import probe_logprobs
+        from asyncgrpo.adapters.probe import trained_probe
 
         model = self.accelerator.unwrap_model(self.model)
         trained = None
@@ -253,7 +253,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             impl = model.config._attn_implementation
             model.set_attn_implementation("sdpa")  # one causal row, not the tree path
             try:
-                trained = probe_logprobs(model, self._probe_ids)
+                trained = trained_probe(model, self._probe_ids)
             finally:
                 model.set_attn_implementation(impl)
         main = self.accelerator.is_main_process

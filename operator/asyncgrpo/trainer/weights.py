@@ -42,36 +42,6 @@ from asyncgrpo.weights.store import (
 log = logging.getLogger(__name__)
 
 
-def probe_logprobs(model, token_ids) -> tuple[list[float], float]:
-    """log p(token[i] | token[:i]) for i >= 1, and the log-prob of the greedy token after the
-    whole probe, from one forward (every FSDP2 rank takes part).
-
-    The first is what vLLM serves for prompt log-probs, which skip the prefix cache; the second
-    is what it serves when generating after a prompt it has cached, so a replica that kept KV
-    from the previous weights shows up in it.
-    """
-    import torch
-
-    # accelerate wraps `forward` in autocast when the Trainer runs mixed precision (TRL's
-    # default bf16=True, CPU included): measured, that alone moves the probe by 2.3e-3 on the
-    # tiny model. The published weights are what vLLM serves, so score them unwrapped.
-    forward = getattr(model, "_original_forward", None) or model.forward
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            ids = torch.tensor([list(token_ids)], dtype=torch.long,
-                               device=next(model.parameters()).device)
-            with torch.autocast(ids.device.type, enabled=False):
-                logits = forward(input_ids=ids).logits
-            logp = torch.log_softmax(logits[0].float(), dim=-1)
-            picked = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
-            return [float(x) for x in picked.cpu()], float(logp[-1].max())
-    finally:
-        if was_training:
-            model.train()
-
-
 class BucketWeightTransfer:
     """TRL's ``WeightTransferProtocol`` over the bucket (rank 0 only; see module docstring).
 

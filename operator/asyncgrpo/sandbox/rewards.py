@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo.trainer.rewards import completion_text
+
 log = logging.getLogger("asyncgrpo.sandbox.rewards")
 
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|xfailed|xpassed|skipped)\b")
@@ -75,15 +77,6 @@ def extract_code(text: str) -> str:
     """The last fenced code block of a completion, or the whole text when it has none."""
     blocks = _FENCE.findall(text)
     return blocks[-1] if blocks else text
-
-
-def _text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list) and completion:
-        last = completion[-1]
-        return str(last.get("content") or "") if isinstance(last, dict) else str(last)
-    return ""
 
 
 def _per_row(value: Any, n: int) -> list[Any]:
@@ -144,7 +137,7 @@ def sandbox_tests(
                 session = f"t{i}"
                 for path, content in _files(row_files[i]).items():
                     client.write_file(lease_id, path, content, session=session)
-                text = _text(completions[i])
+                text = completion_text(completions[i])
                 client.write_file(lease_id, solution_path, extract_code(text) if extract else text,
                                   session=session)
                 r = client.exec(lease_id, commands[i], timeout_seconds=timeout_seconds,

@@ -247,6 +247,13 @@ def test_local_run_refuses_a_config_map_data_source(tmp_path):
     assert "spec.data.configMap" in result.stderr and "spec.data.path" in result.stderr
 
 
+def test_local_run_refuses_a_loggers_secret(tmp_path):
+    result, _ = _local_run(tmp_path, mutate=lambda d: d["spec"]["trainer"].update(
+        reportTo=["wandb"], reportToSecret="wandb-creds"))
+    assert result.returncode == 1
+    assert "spec.trainer.reportToSecret" in result.stderr and "spec.trainer.env" in result.stderr
+
+
 def test_local_run_names_a_missing_vllm_venv(tmp_path):
     result, _ = _local_run(tmp_path, env={"ASYNCGRPO_VLLM_VENV": str(tmp_path / "nowhere")})
     assert result.returncode == 1

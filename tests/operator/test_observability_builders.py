@@ -1,5 +1,6 @@
 """Discovery on the pods the operator builds: scrape annotations on every pod that serves
-metrics, the scrapers the NetworkPolicies admit, and the loggers' Secret on the trainer."""
+metrics, the scrapers the NetworkPolicies admit, and the loggers' Secret and folders on the
+trainer."""
 
 from __future__ import annotations
 

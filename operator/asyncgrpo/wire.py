@@ -36,6 +36,9 @@ CONFIG_KEY = "run.yaml"
 DATA_DIR = "/etc/asyncgrpo/data"
 #: the trainer's scratch (TRL's output dir, checkpoint staging, status.json)
 TRAINER_WORK_DIR = "/var/lib/asyncgrpo"
+#: where TRL's offline loggers write (trackio's database, tensorboard's event files): in the
+#: work emptyDir, so a local run keeps them under its work directory
+LOGGER_DIR = f"{TRAINER_WORK_DIR}/loggers"
 #: caches (Hugging Face, verified adapters, the puller's full copy) live under this emptyDir
 CACHE_DIR = "/var/cache/asyncgrpo"
 HF_HOME = f"{CACHE_DIR}/hf"

@@ -58,9 +58,16 @@ def _local_run(tmp_path: Path, mutate=None, env=None, max_steps: int = 3, exampl
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_local_run_trains_and_stops_everything(tmp_path):
+    """... and reports to TRL's offline loggers (trackio, tensorboard), which write under the
+    trainer pod's work directory and never reach for the network."""
+    import time
+
     if vllm_python() is None:
         pytest.skip("vLLM venv missing: run hack/setup-vllm-venv.sh (make test does)")
-    result, s3_port = _local_run(tmp_path)
+    t0 = time.monotonic()
+    result, s3_port = _local_run(tmp_path, mutate=lambda d: d["spec"]["trainer"].update(
+        reportTo=["trackio", "tensorboard"]))
+    print(f"local run of 3 steps with trackio and tensorboard: {time.monotonic() - t0:.0f} s")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"starting a local S3 server on 127.0.0.1:{s3_port}" in result.stdout
     assert "run local-tiny finished: step 3, policy versions published: v1..v4" in result.stdout
@@ -80,6 +87,35 @@ def test_local_run_trains_and_stops_everything(tmp_path):
     vllm_log = (work / "local-tiny-vllm-0.log").read_text()
     assert "'host': '127." in vllm_log and "0.0.0.0" not in vllm_log
     assert "metrics on 127." in result.stdout
+    _assert_the_loggers_recorded_every_step(work / "local-tiny-trainer-0", steps=3)
+
+
+def _assert_the_loggers_recorded_every_step(pod: Path, steps: int):
+    """The trainer pod's loggers (wire.LOGGER_DIR in its work emptyDir), read back with the
+    loggers' own readers: trackio's SQLite storage and tensorboard's EventAccumulator."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    loggers = pod / "work" / "loggers"
+    # trackio said it logs locally, to that directory (a Space would be named instead)
+    assert f"* Trackio metrics logged to: {loggers / 'trackio'}" in (
+        pod.parent / f"{pod.name}.log").read_text()
+    # trackio reads TRACKIO_DIR at import: its reader runs in a process of its own
+    read = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; "
+            "print(json.dumps(S.get_logs('asyncgrpo-default', 'local-tiny'), default=str))")
+    out = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True,
+                         check=True, timeout=120,
+                         env={**os.environ, "TRACKIO_DIR": str(loggers / "trackio")})
+    logs = json.loads(out.stdout.strip().splitlines()[-1])
+    print("trackio:", [{k: v for k, v in log.items() if k.startswith(("train/loss",
+          "train/reward", "train/global_step", "step"))} for log in logs])
+    per_step = [log for log in logs if "train/loss" in log]
+    assert [log["train/global_step"] for log in per_step] == list(range(1, steps + 1))
+    assert all("train/reward" in log for log in per_step), per_step
+
+    acc = EventAccumulator(str(loggers / "tensorboard"))
+    acc.Reload()
+    for tag in ("train/loss", "train/reward"):
+        assert [e.step for e in acc.Scalars(tag)] == list(range(1, steps + 1)), tag
 
 
 @pytest.mark.slow
@@ -245,6 +281,13 @@ def test_local_run_refuses_a_config_map_data_source(tmp_path):
     result, _ = _local_run(tmp_path, mutate=mutate)
     assert result.returncode == 1
     assert "spec.data.configMap" in result.stderr and "spec.data.path" in result.stderr
+
+
+def test_local_run_refuses_a_loggers_secret(tmp_path):
+    result, _ = _local_run(tmp_path, mutate=lambda d: d["spec"]["trainer"].update(
+        reportTo=["wandb"], reportToSecret="wandb-creds"))
+    assert result.returncode == 1
+    assert "spec.trainer.reportToSecret" in result.stderr and "spec.trainer.env" in result.stderr
 
 
 def test_local_run_names_a_missing_vllm_venv(tmp_path):

@@ -1,5 +1,6 @@
 """Discovery on the pods the operator builds: scrape annotations on every pod that serves
-metrics, the scrapers the NetworkPolicies admit, and the loggers' Secret on the trainer."""
+metrics, the scrapers the NetworkPolicies admit, and the loggers' Secret and folders on the
+trainer."""
 
 from __future__ import annotations
 
@@ -72,6 +73,37 @@ def test_report_to_reaches_trl_and_its_secret_reaches_only_the_trainer_env():
     assert c["envFrom"] == [{"secretRef": {"name": "loggers"}}]
     assert "envFrom" not in trainer.build_statefulset(run())["spec"]["template"]["spec"][
         "containers"][0]
+
+
+def test_the_offline_loggers_write_to_the_work_volume_under_the_runs_name(tmp_path):
+    """TRL gets report_to, the run's name and a trackio project; the pod tells trackio and
+    tensorboard where to write (a folder each under wire.LOGGER_DIR, on the work emptyDir),
+    only for the loggers named, and a user's spec.trainer.env wins."""
+    from asyncgrpo.trainer.main import trl_config
+    from asyncgrpo.trainer.runtime_env import RuntimeEnv
+    from asyncgrpo.wire import LOGGER_DIR, TRAINER_WORK_DIR
+
+    def env_of(r):
+        c = trainer.build_statefulset(r)["spec"]["template"]["spec"]["containers"][0]
+        mounts = [m["mountPath"] for m in c["volumeMounts"]]
+        return {e["name"]: e.get("value") for e in c["env"]}, mounts
+
+    r = run(reportTo=["trackio", "tensorboard"])
+    cfg = trl_config(r, RuntimeEnv.from_env({"ASYNCGRPO_VLLM_URL": "http://v:8000",
+                                             "ASYNCGRPO_WORK_DIR": str(tmp_path)}), use_cpu=True)
+    assert cfg.report_to == ["trackio", "tensorboard"]
+    assert cfg.run_name == r.metadata.name
+    assert cfg.project == f"asyncgrpo-{r.metadata.namespace or 'default'}"
+    env, mounts = env_of(r)
+    assert env["TRACKIO_DIR"] == f"{LOGGER_DIR}/trackio"
+    assert env["TENSORBOARD_LOGGING_DIR"] == f"{LOGGER_DIR}/tensorboard"
+    assert LOGGER_DIR.startswith(TRAINER_WORK_DIR + "/") and TRAINER_WORK_DIR in mounts
+    env, _ = env_of(run(reportTo=["tensorboard"]))
+    assert "TRACKIO_DIR" not in env and "TENSORBOARD_LOGGING_DIR" in env
+    env, _ = env_of(run(reportTo=["wandb"]))
+    assert not {"TRACKIO_DIR", "TENSORBOARD_LOGGING_DIR"} & set(env)
+    env, _ = env_of(run(reportTo=["trackio"], env=[{"name": "TRACKIO_DIR", "value": "/data/t"}]))
+    assert env["TRACKIO_DIR"] == "/data/t"
 
 
 @pytest.mark.parametrize("fields, path", [

@@ -231,13 +231,15 @@ class TrainerSpec(Model):
         default_factory=list, max_length=4,
         description="Experiment loggers TRL reports to (its `report_to`), besides the "
         "Prometheus endpoint, which is always on: trackio, wandb, tensorboard, mlflow; "
-        "empty or [none]: none. The trainer image must carry the logger's package.",
+        "empty or [none]: none. The project's trainer image carries trackio and "
+        "tensorboard (offline, to files in the trainer's work volume); wandb and mlflow "
+        "need an image that adds them.",
     )
     report_to_secret: str | None = Field(
         default=None, min_length=1, max_length=253,
         description="Secret in the run's namespace whose keys become environment variables "
         "of the trainer pods (envFrom), for the loggers' settings and credentials: "
-        "WANDB_API_KEY, WANDB_PROJECT, MLFLOW_TRACKING_URI, TRACKIO_PROJECT... Never "
+        "WANDB_API_KEY, WANDB_PROJECT, MLFLOW_TRACKING_URI, TRACKIO_SPACE_ID... Never "
         "copied into the run's ConfigMap, status or logs.",
     )
     env: list[EnvVar] = Field(default_factory=list, max_length=128,

@@ -32,7 +32,7 @@ from asyncgrpo.controller.common import (
 )
 from asyncgrpo.controller.metrics import scrape_annotations
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, secret_name
-from asyncgrpo.trainer.main import run_view
+from asyncgrpo.trainer.main import logger_env, run_view
 from asyncgrpo.wire import (
     CONFIG_KEY,
     CONFIG_MOUNT,
@@ -72,6 +72,9 @@ def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
         {"name": wire.WORK_DIR_ENV, "value": wire.TRAINER_WORK_DIR},
         {"name": "HF_HOME", "value": HF_HOME},
         {"name": "HOME", "value": "/tmp"},
+        # the offline loggers' files, in the work emptyDir; spec.trainer.env overrides them
+        # (a variable from reportToSecret does not: a pod's env wins over its envFrom)
+        *({"name": k, "value": v} for k, v in logger_env(run).items()),
     ]
     if run.spec.sandboxes is not None:
         env += [

@@ -88,6 +88,9 @@ class LocalBackend:
         if s.data.config_map is not None:
             raise LocalRunError("spec.data.configMap: a ConfigMap lives in a cluster; "
                                 "locally give the prompts as spec.data.path")
+        if s.trainer.report_to_secret is not None:
+            raise LocalRunError("spec.trainer.reportToSecret: a Secret lives in a cluster; "
+                                "locally give the loggers' settings in spec.trainer.env")
 
     # ------------------------------------------------------------------ parts
     def _s3(self) -> None:

@@ -104,6 +104,9 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
         # every run has; "none" alone means none. Their settings come from the environment.
         report_to=report_to(run),
         run_name=run.metadata.name,
+        # trackio's project (its database file): the runs of a namespace side by side; the
+        # prefix keeps a namespace named registry-* off trackio's reserved names
+        project=f"asyncgrpo-{run.metadata.namespace or 'default'}",
         disable_tqdm=True,
         log_completions=False,
     )
@@ -112,6 +115,20 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
 def report_to(run) -> list[str]:
     """spec.trainer.reportTo as TRL takes it: the loggers named, without "none"."""
     return [x for x in run.spec.trainer.report_to if x != "none"]
+
+
+#: the variable each offline logger reads its directory from (trackio at import time, which
+#: TRL's profiling does early: so it is the process's environment, set by the pod)
+LOGGER_DIR_ENV = {"trackio": "TRACKIO_DIR", "tensorboard": "TENSORBOARD_LOGGING_DIR"}
+
+
+def logger_env(run) -> dict[str, str]:
+    """Where the offline loggers the run names write: a folder each under wire.LOGGER_DIR.
+    Without it trackio writes under HF_HOME (a cache) and tensorboard under TRL's output
+    dir, mixed with checkpoints. Nothing here reaches the network: trackio goes online
+    only when TRACKIO_SPACE_ID or TRACKIO_SERVER_URL is set (reportToSecret, trainer.env)."""
+    return {LOGGER_DIR_ENV[x]: f"{wire.LOGGER_DIR}/{x}"
+            for x in report_to(run) if x in LOGGER_DIR_ENV}
 
 
 def environment_factory(run, env: RuntimeEnv):

@@ -54,6 +54,14 @@ def published_versions(stack, bucket: str) -> list[int]:
     return sorted(versions)
 
 
+def last_scraped(prom, expr: str, within_s: float = 1800) -> float | None:
+    """The last time `expr` had a sample (Prometheus's own record, to the second)."""
+    now = time.time()
+    times = [float(t) for series in prom.query_range(expr, now - within_s, now, 1)
+             for t, _ in series["values"]]
+    return max(times, default=None)
+
+
 def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
     stack, ns = e2e_stack, "team-agents"
     stack.namespace(ns)
@@ -89,15 +97,12 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
                 if line.startswith("asyncgrpo_gateway_") and "lease" in line.split("{")[0]]
 
     leases: list[str] = []
-    moments: list[float] = []  # when every component ran, for Prometheus afterwards
 
     def finished_keeping_logs():  # trainer logs and gateway metrics, read while they run
         logs.append(stack.logs(ns, "app.kubernetes.io/component=trainer"))
         if not leases:
             leases.extend(gateway_lease_metrics())
         s = status_of(stack, "agents", ns)
-        if s.get("step", 0) >= 2 and s.get("phase") == "Running":
-            moments.append(time.time())
         return s if s.get("phase") in ("Succeeded", "Failed") else None
 
     status = wait_for("agents finished", finished_keeping_logs, timeout=900, interval=5,
@@ -114,13 +119,16 @@ def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
     assert rewards and max(rewards) > 0, "\n".join(logs)[-3000:]
 
     # A real Prometheus discovered the run's pods through the API server and scraped them:
-    # every dashboard panel and rule has data for the moment the run was mid-way
+    # every dashboard panel and rule has data for the last moment the trainer was scraped
+    # (vLLM and the gateway outlive it; the run may take seconds, so no poll catches it)
     prom = stack.prometheus
-    assert moments, "never saw the run Running at step 2"
+    at = last_scraped(prom, f'asyncgrpo_trainer_step{{namespace="{ns}"}}')
+    assert at is not None, "Prometheus never scraped the trainer"
     up = {(t["labels"].get("component"), t["health"]) for t in prom.targets()}
     print(f"E2E Prometheus targets (component, health) seen: {sorted(up, key=str)}")
-    empty, skipped = missing_data(prom, {"operator", "trainer", "gateway", "vllm"},
-                                  at=moments[-1])
+    # over the run's last minutes up to then, as its dashboard would draw them
+    empty, skipped = missing_data(prom, {"operator", "trainer", "gateway", "vllm"}, at=at,
+                                  since=at - 300)
     assert not empty, "no data for:\n" + "\n".join(f"{c.source}: {c.expr}" for c in empty)
     if out := os.environ.get("ASYNCGRPO_E2E_REPORT_DIR"):  # pictures for the docs
         from asyncgrpo.cli import main as cli
@@ -283,7 +291,7 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
     weights_checks = [c for c in panel_queries() + rule_queries() if "weights" in c.components]
     assert weights_checks
     empty, _ = missing_data(stack.prometheus, {"operator", "weights"}, weights_checks,
-                            at=moments[-1])
+                            at=moments[-1], since=moments[-1] - 300)
     assert not empty, [c.source for c in empty]
 
 

@@ -348,16 +348,22 @@ def rule_queries(rules: Path = RULES) -> list[Check]:
 
 def missing_data(prom: PrometheusServer, running: set[str],
                  checks: list[Check] | None = None, at: float | None = None,
-                 ) -> tuple[list[Check], list[Check]]:
+                 since: float | None = None) -> tuple[list[Check], list[Check]]:
     """(checks that return nothing although every component they read runs, checks left
     out because a component they read is not running). An empty first list is the pass.
     `at` evaluates them at a past moment (a run's pods are gone once it ended, and their
-    series end with them)."""
+    series end with them); with `since`, over the range since..at, as a dashboard panel
+    draws it (one scrape a loaded pod missed does not blank a gauge's whole panel)."""
     checks = panel_queries() + rule_queries() if checks is None else checks
     empty, skipped = [], []
     for c in checks:
         if not c.components <= running:
             skipped.append(c)
+        elif since is not None:
+            end = time.time() if at is None else at
+            series = prom.query_range(c.expr, since, end, max(1.0, (end - since) / 200))
+            if not any(_number({"value": v}) for s in series for v in s["values"]):
+                empty.append(c)
         elif not any(_number(r) for r in prom.query(c.expr, at)):
             empty.append(c)
     return empty, skipped

@@ -9,12 +9,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from asyncgrpo.testing.waiting import wait_for
 from tests.conftest import free_port, wait_for_port
 
 TOKEN = "sandbox-test-token-0123456789"
@@ -111,14 +111,9 @@ def start_gateway(tmp: Path, members: list[str] | None, *extra: str, name: str =
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
-    """Poll until true; the deadline only bounds a hang, no assertion depends on timing."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"{what} not reached within {timeout}s")
+    """asyncgrpo.testing.waiting.wait_for with this suite's argument order; errors in the
+    predicate are not retried (a refused call is a failure here, not "not yet")."""
+    return wait_for(predicate, timeout, interval, what, retry_on=())
 
 
 def reset(sb: Proc, secret: str | None = LEASE) -> dict:

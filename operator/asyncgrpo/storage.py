@@ -131,12 +131,16 @@ def retry(what: str, fn: Callable[[], _T], *, attempts: int | None = 8, backoff_
 
 
 def client(endpoint: str | None, region: str | None, *, connect_timeout_s: float = 5.0,
-           read_timeout_s: float = 60.0):
-    """A boto3 S3 client with botocore's own retries off (ours bound the wait)."""
+           read_timeout_s: float = 60.0, keys: tuple[str, str] | None = None):
+    """A boto3 S3 client with botocore's own retries off (ours bound the wait). `keys`
+    (access key id, secret) sign its requests; without them boto3's own chain does (the
+    environment, then the identity of the pod it runs in)."""
     import boto3
     from botocore.config import Config
 
-    return boto3.session.Session().client(
+    signed = {} if keys is None else {"aws_access_key_id": keys[0],
+                                      "aws_secret_access_key": keys[1]}
+    return boto3.session.Session(region_name=region or None, **signed).client(
         "s3", endpoint_url=endpoint or None, region_name=region or None,
         config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
                       connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,

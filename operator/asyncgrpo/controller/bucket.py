@@ -144,22 +144,12 @@ def client(store: AdapterStoreSpec, creds: Credentials | None,
            timeout: float = TIMEOUT_SECONDS):
     """An S3 client signed with the run's keys, or (None) with boto3's chain: the identity of
     the pod this runs in, which is always one of the run's own (the bucket Job)."""
-    import boto3
-    from botocore.config import Config
+    from asyncgrpo import storage
 
-    kw: dict[str, Any] = {"region_name": store.region,
-                          "config": Config(connect_timeout=timeout, read_timeout=timeout,
-                                           retries={"total_max_attempts": 1},
-                                           s3={"addressing_style": "path"})}
-    keys: dict[str, str] = {}
-    if creds is not None:
-        keys = {"aws_access_key_id": creds.access_key_id,
-                "aws_secret_access_key": creds.secret_access_key}
-    if store.endpoint:
-        kw["endpoint_url"] = store.endpoint
+    keys = None if creds is None else (creds.access_key_id, creds.secret_access_key)
     try:
-        return boto3.session.Session(region_name=store.region, **keys).client(
-            "s3", **kw, **keys)
+        return storage.client(store.endpoint, store.region, connect_timeout_s=timeout,
+                              read_timeout_s=timeout, keys=keys)
     except (ValueError, BotoCoreError) as e:  # bad endpoint URL or region name
         raise BucketError("InvalidEndpoint", "spec.adapterStore endpoint or region is "
                           f"malformed ({type(e).__name__})") from None

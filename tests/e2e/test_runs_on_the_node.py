@@ -249,10 +249,14 @@ def published_weights(stack, bucket: str) -> list[int]:
 
 def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack):
     """Weights, not adapters: anchors and deltas through the bucket, a puller sidecar in each
-    of two vLLM pods swaps every version in; the run's status shows what the replicas serve."""
+    of two vLLM pods swaps versions in; the run's status shows what the replicas serve.
+
+    The run is long (40 steps) and the test ends it by deleting it: replicas catch up on
+    their own every few seconds, so a short run could end before they moved, on a fast
+    machine as on a slow one."""
     stack, ns = e2e_stack, "team-full"
     stack.namespace(ns)
-    run = tiny_run("whole", ns, stack.s3.endpoint, steps=8)
+    run = tiny_run("whole", ns, stack.s3.endpoint, steps=40)
     model = run["spec"]["model"]
     del model["lora"]
     model |= {"finetuning": "full", "full": {"anchorInterval": 2, "localDisk": "1Gi"}}
@@ -264,35 +268,43 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
     stack.apply(prompts_configmap(ns), run)
 
     seen: list[dict] = []       # status.servedWeights over the run
-    moments: list[float] = []   # when both replicas had swapped in a version past v1
 
-    def finished_watching_replicas():
+    def both_replicas_past_v1():
         s = status_of(stack, "whole", ns)
+        assert s.get("phase") not in ("Succeeded", "Failed"), f"ended first: {s}, seen {seen}"
         served = s.get("servedWeights")
         if served and s.get("phase") == "Running":
             seen.append(served)
-            if served["replicas"] == 2 and served["oldest"] >= 2:
-                moments.append(time.time())
-        return s if s.get("phase") in ("Succeeded", "Failed") else None
+            return served["replicas"] == 2 and served["oldest"] >= 2
+        return False
 
-    status = wait_for("whole finished", finished_watching_replicas, timeout=1200, interval=1,
-                      on_timeout=lambda: stack.describe(ns)
-                      + stack.logs(ns, "app.kubernetes.io/component=vllm"))
-    print(f"\nE2E full fine-tuning: servedWeights seen {seen}, status "
-          f"{json.dumps({k: status.get(k) for k in ('step', 'policyVersion', 'phase')})}")
-    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    wait_for("both vLLM replicas serving a version past v1", both_replicas_past_v1,
+             timeout=900, interval=1, on_timeout=lambda: stack.describe(ns)
+             + stack.logs(ns, "app.kubernetes.io/component=vllm"))
+    moment = time.time()
+    print(f"\nE2E full fine-tuning: servedWeights seen {seen[-5:]}, step "
+          f"{status_of(stack, 'whole', ns).get('step')}")
+    assert all(s["oldest"] <= s["newest"] for s in seen), seen
     versions = published_weights(stack, "e2e-whole")
-    assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 8, versions
-    # both replicas pulled and swapped in versions past the first one while the run went on
-    # (they catch up on their own; exactness against the trainer is tests/weights' business)
-    assert moments, f"never saw both replicas past v1: {seen}"
-    assert all(s["oldest"] <= s["newest"] <= versions[-1] for s in seen), seen
+    assert versions == list(range(1, len(versions) + 1)), versions
+    assert versions[-1] >= seen[-1]["newest"] >= 2, (versions, seen[-1])
     # and Prometheus saw it: the served-weights panel and gauges have data
     weights_checks = [c for c in panel_queries() + rule_queries() if "weights" in c.components]
     assert weights_checks
-    empty, _ = missing_data(stack.prometheus, {"operator", "weights"}, weights_checks,
-                            at=moments[-1], since=moments[-1] - 300)
-    assert not empty, [c.source for c in empty]
+    empty: list = []
+
+    def weights_panels_have_data():
+        empty[:] = missing_data(stack.prometheus, {"operator", "weights"}, weights_checks,
+                                since=moment - 300)[0]
+        return not empty
+
+    wait_for("the served-weights panels' data", weights_panels_have_data, timeout=60,
+             on_timeout=lambda: str([c.source for c in empty]))
+    # deleting the run mid-way stops it, and the cleanup Job empties its bucket folder
+    stack.kubectl("-n", ns, "delete", "agr", "whole", "--wait=true", timeout=300)
+    left = [o["Key"] for o in stack.s3.client().list_objects_v2(
+        Bucket="e2e-whole").get("Contents", [])]
+    assert not [k for k in left if k.startswith(f"asyncgrpo/{ns}/whole/")], left
 
 
 def test_a_failing_sandbox_pool_fires_its_alert(e2e_stack):

@@ -229,7 +229,7 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
               **kwargs: Any) -> None:
     """Apply deletionPolicy Delete to the run's own folder by a cleanup Job, never blocking.
 
-    The Job runs in the run's namespace as its ServiceAccount with its Secret (`bucketjob`);
+    The trainer's pods are stopped first (they would write after the cleanup). The Job runs in the run's namespace as its ServiceAccount with its Secret (`bucketjob`);
     this handler creates it, then asks kopf to call again (TemporaryError) until the Job
     finished, the user set SKIP_CLEANUP, or `cleanup_timeout_seconds` passed since the
     deletion. Every outcome is an event; the Job is deleted on every way out. The Job has no
@@ -274,6 +274,17 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
         done("Warning", "CleanupAbandoned", f"bucket objects kept: the cleanup did not "
              f"finish in {timeout:.0f} s ({why})")
 
+    writers = [c for c in children if c.kind == "Pod" and c.component == "trainer"]
+    if job is None and writers:
+        # The trainer writes checkpoints and versions until it stops, and the run's children
+        # outlive it while its finalizer holds: stop them first, clean up after them.
+        if waited >= timeout:
+            return give_up("the trainer pods did not stop")
+        for c in children:
+            if c.component == "trainer" and c.kind in ("StatefulSet", "Pod") and not c.deleting:
+                rt.kube.delete(c.kind, ns, c.name, propagation="Background")
+        raise kopf.TemporaryError("waiting for the trainer to stop before the bucket cleanup",
+                                  delay=2)
     desired = bucketjob.build_job(run, bucketjob.CLEANUP, uid, reconcile.job_settings(rt))
     if job is None or job.deleting:
         if waited >= timeout:

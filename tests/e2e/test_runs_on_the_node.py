@@ -42,15 +42,16 @@ def wait_phase(stack, name: str, ns: str, timeout: float = 900) -> dict:
                     + stack.logs(ns, "app.kubernetes.io/component=trainer"))
 
 
-def published_versions(stack, bucket: str) -> list[int]:
-    """Policy versions whose manifest is in the bucket (complete versions only)."""
+def published_versions(stack, bucket: str, kind: str = "adapters") -> list[int]:
+    """Versions of `kind` (adapters, or weights for full fine-tuning) whose manifest is in
+    the bucket (complete versions only)."""
     s3 = stack.s3.client()
     versions = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         for o in page.get("Contents", []):
             parts = o["Key"].split("/")
-            if "adapters" in parts and parts[-1] == "manifest.json":
-                versions.append(int(parts[parts.index("adapters") + 1].lstrip("v")))
+            if kind in parts and parts[-1] == "manifest.json":
+                versions.append(int(parts[parts.index(kind) + 1].lstrip("v")))
     return sorted(versions)
 
 
@@ -235,18 +236,6 @@ def test_a_run_asking_for_a_gpu_says_why_it_waits(e2e_stack):
     stack.kubectl("-n", ns, "delete", "agr", "wants-gpu", "--wait=true", timeout=180)
 
 
-def published_weights(stack, bucket: str) -> list[int]:
-    """Full fine-tuning versions whose manifest is in the bucket."""
-    s3 = stack.s3.client()
-    versions = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for o in page.get("Contents", []):
-            parts = o["Key"].split("/")
-            if "weights" in parts and parts[-1] == "manifest.json":
-                versions.append(int(parts[parts.index("weights") + 1].lstrip("v")))
-    return sorted(versions)
-
-
 def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack):
     """Weights, not adapters: anchors and deltas through the bucket, a puller sidecar in each
     of two vLLM pods swaps versions in; the run's status shows what the replicas serve.
@@ -285,7 +274,7 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
     print(f"\nE2E full fine-tuning: servedWeights seen {seen[-5:]}, step "
           f"{status_of(stack, 'whole', ns).get('step')}")
     assert all(s["oldest"] <= s["newest"] for s in seen), seen
-    versions = published_weights(stack, "e2e-whole")
+    versions = published_versions(stack, "e2e-whole", "weights")
     assert versions == list(range(1, len(versions) + 1)), versions
     assert versions[-1] >= seen[-1]["newest"] >= 2, (versions, seen[-1])
     # and Prometheus saw it: the served-weights panel and gauges have data

@@ -9,18 +9,17 @@ tests' moto S3 server and each other on 127.0.0.1.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
+
+from asyncgrpo.testing.vllm import http_json
 
 REPO = Path(__file__).resolve().parents[2]
 _built: dict[str, str] = {}
@@ -109,18 +108,7 @@ class Container:
 def http(method: str, url: str, body: dict | None = None, headers: dict | None = None,
          timeout: float = 120) -> tuple[int, dict]:
     """(status, json body); HTTP errors are returned, not raised."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw, status = resp.read(), resp.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read(), e.code
-    try:
-        return status, json.loads(raw) if raw else {}
-    except json.JSONDecodeError:
-        return status, {"raw": raw.decode(errors="replace")}
+    return http_json(method, url, body, headers, timeout)
 
 
 def wait_http(url: str, container: Container, timeout: float) -> None:

@@ -24,6 +24,23 @@ from asyncgrpo.testing.net import free_port
 STARTUP_TIMEOUT_S = float(os.environ.get("ASYNCGRPO_VLLM_STARTUP_TIMEOUT_S", "600"))
 
 
+def http_json(method: str, url: str, body: dict | None = None,
+              headers: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
+    """(status, json body) of one HTTP call; HTTP errors are returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        return status, {"raw": raw.decode(errors="replace")}
+
+
 @dataclass
 class VLLMServer:
     """A running ``vllm.entrypoints.openai.api_server`` process we started."""
@@ -42,19 +59,7 @@ class VLLMServer:
     def request(self, method: str, path: str, body: dict | None = None,
                 timeout: float = 300.0) -> tuple[int, dict]:
         """(status, json body) of one HTTP call; HTTP errors are returned, not raised."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-                status = resp.status
-        except urllib.error.HTTPError as e:
-            raw, status = e.read(), e.code
-        try:
-            return status, json.loads(raw) if raw else {}
-        except json.JSONDecodeError:
-            return status, {"raw": raw.decode(errors="replace")}
+        return http_json(method, self.base_url + path, body, timeout=timeout)
 
     def completion(self, model: str, prompt, **params) -> tuple[int, dict]:
         """POST /v1/completions; ``prompt`` is a string or a list of token ids."""

@@ -10,6 +10,8 @@ configured so that any test can use it without restarting it:
   run name, so tests never collide on adapter names (vLLM never resolves a name twice).
 * ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (resolvers run only with it) and
   ``VLLM_SERVER_DEV_MODE=1`` (TRL's async client routes: pause/resume, etc.).
+* ``--enable-scale-out``: the token-in/token-out ``/inference/v1/generate`` route, which
+  full fine-tuning's rollouts use (it reports which weight version sampled each token).
 * One OpenMP thread, unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``), small KV cache, fp32
   (so logits match a local peft forward closely).
 
@@ -71,7 +73,8 @@ def _acquire(tmp_root: Path, s3_server) -> VLLMServer:
             "ASYNCGRPO_ADAPTER_BACKOFF_S": "0.2",
         }
         _shared["server"] = start_vllm_server(model, log_path=tmp_root / "vllm.log", env=env,
-                                              bucket=BUCKET, max_lora_rank=MAX_LORA_RANK)
+                                              bucket=BUCKET, max_lora_rank=MAX_LORA_RANK,
+                                              extra_args=["--enable-scale-out"])
     _shared["refs"] = int(_shared["refs"]) + 1
     return _shared["server"]  # type: ignore[return-value]
 

@@ -211,6 +211,10 @@ def test_local_full_finetuning_serves_every_version_and_stops_everything(tmp_pat
     assert all(h["probe_max_diff"] <= 1e-5 for h in history), history  # served == trained
     assert all(h["probe_cached_diff"] <= 1e-5 for h in history), history  # no stale KV
     assert f"{pod} served weights v1..v{versions[-1]} ({len(served)} swaps" in result.stdout
+    # every trained sample carries the version its replica says sampled it: the base (0) or
+    # one it swapped in (rollouts reach the generate route from the trainer's pod)
+    tags = {int(v) for v in status["sample_versions"]}
+    assert tags and tags <= set(served) | {0}, (tags, served)
     assert (work / f"{pod}.weights-puller.log").exists()
 
     # nothing it started is left: S3, vLLM and the puller ports answer no more

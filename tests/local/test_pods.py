@@ -165,6 +165,7 @@ def test_full_finetuning_runs_the_weights_puller_beside_its_vllm(tmp_path):
     assert server.argv[server.argv.index("--host") + 1] == addr
     assert server.argv[server.argv.index("--middleware") + 1] == (
         "asyncgrpo.weights.guard.DevRoutesLoopbackOnly")
+    assert "--enable-scale-out" in server.argv  # the route that reports weight versions
     weights = placement.volumes[pod.name]["weights"]
     assert puller.env[WEIGHTS_DIR_ENV] == weights and Path(weights).is_dir()
     assert puller.env[WEIGHTS_PORT_ENV] == str(PULLER_PORT)

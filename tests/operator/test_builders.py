@@ -22,6 +22,7 @@ from asyncgrpo.controller import (
 )
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION, RUN_AS_USER
+from asyncgrpo.weights.guard import MIDDLEWARE
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
@@ -175,6 +176,9 @@ def test_full_finetuning_pulls_weights_from_the_bucket_in_a_sidecar():
     c, puller = pod["containers"]
     assert "--enable-lora" not in c["args"]
     assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
+    # dev routes guarded; the generate route reports which weights sampled each token
+    assert c["args"][c["args"].index("--middleware") + 1] == MIDDLEWARE
+    assert "--enable-scale-out" in c["args"]
     assert puller["command"] == ["asyncgrpo", "weights", "pull"]
     assert puller["readinessProbe"]["httpGet"]["path"] == "/ready"
     env = {e["name"]: e.get("value") for e in puller["env"]}
@@ -192,6 +196,7 @@ def test_full_finetuning_pulls_weights_from_the_bucket_in_a_sidecar():
 def test_lora_vllm_pod_has_no_puller():
     pod = vllm.build_deployment(run_of())["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["vllm"]
+    assert not {"--middleware", "--enable-scale-out"} & set(pod["containers"][0]["args"])
     assert all(v["name"] != "weights" for v in pod["volumes"])
 
 

@@ -6,7 +6,8 @@ the trained log-probs of the probe in its manifest; one puller per replica
 (`asyncgrpo weights pull`, a process as in the pod) swaps it in and compares its replica's
 served log-probs with the trainer's. Rollouts come from replica A; replica B only follows.
 
-Checked: >= 5 optimizer steps; every version each replica swapped in serves the probe within
+Checked: >= 5 optimizer steps; every trained sample carries the version replica A says
+sampled it (vLLM's weight-version spans), not the trainer's version at request time; every version each replica swapped in serves the probe within
 1e-5 of the trainer's weights, on both replicas, for prompt log-probs (no prefix cache) and for
 a token generated after a prompt cached under the previous weights; versions 3 and 7 (the last)
 are corrupted in the bucket right after publishing: no replica ever serves them, training goes
@@ -30,10 +31,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncgrpo.controller.vllm import FULL_FINETUNING_ARGS
 from asyncgrpo.local.vllm import vllm_python, vllm_venv
 from asyncgrpo.testing.net import free_port
 from asyncgrpo.testing.vllm import launch_vllm
-from asyncgrpo.weights.guard import MIDDLEWARE
 from tests.trainer.test_e2e_vllm import _env, _start, _status, _tail, _wait_or_kill
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -48,7 +49,7 @@ def _start_vllm(model: str, log: Path):
     port = free_port()
     args = ["--model", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", "1024", "--max-num-seqs", "8", "--seed", "0",
-            "--middleware", MIDDLEWARE]
+            *FULL_FINETUNING_ARGS]
     return launch_vllm(args, port=port, model=model, log_path=log, env={"VLLM_PLUGINS": ""})
 
 
@@ -143,10 +144,15 @@ def test_full_finetuning_through_the_bucket_on_two_replicas(s3_server, tmp_path)
         # (a delta would be larger); deltas are held to the same bar in tests/weights
         kinds = [p["kind"] for p in st["published"]]
         assert kinds[0] == kinds[3] == "anchor" and set(kinds) <= {"anchor", "delta"}
-        # both replicas refuse the corrupt last version and stay on the one before it
+        # both replicas refuse the corrupt last version and stay on the one before it; the
+        # restarted puller may still be swapping that one in (its predecessor was killed
+        # mid-swap, vLLM paused): wait for both, not only for the refusals
+        def settled(status: dict) -> bool:
+            return str(last) in status.get("refused", {}) and status.get(
+                "served_version") == last - 1
+
         end = time.monotonic() + 120
-        while time.monotonic() < end and not all(
-                str(last) in _puller_status(p).get("refused", {}) for p in ports):
+        while time.monotonic() < end and not all(settled(_puller_status(p)) for p in ports):
             time.sleep(0.5)
         final = [_puller_status(p) for p in ports]
         assert [f["served_version"] for f in final] == [last - 1, last - 1], (final, _tail(
@@ -163,6 +169,13 @@ def test_full_finetuning_through_the_bucket_on_two_replicas(s3_server, tmp_path)
                 assert h["probe_cached_diff"] <= TOLERANCE, (i, h)  # generated after a cached prompt
         # the restarted puller came back on the newest version with ready set
         assert final[1]["ready"] is True
+        # each sample is tagged with the weights that sampled it, as replica A (which served
+        # every rollout) reported them: its base weights (0) or a version it swapped in, never
+        # a version only the trainer had (the corrupt 3 no replica served)
+        served_a = {h["version"] for h in histories[0]}
+        tags = {int(v) for v in st["sample_versions"]}
+        assert tags <= served_a | {0}, (tags, served_a)
+        assert tags & served_a, (tags, served_a)
         report = {"published": st["published"], "served": histories}
         (Path(os.environ.get("ASYNCGRPO_BENCH_OUT", tmp_path)) / "full_ft_e2e.json").write_text(
             json.dumps(report, indent=1))

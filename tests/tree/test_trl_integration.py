@@ -208,3 +208,34 @@ def test_trl_fused_head_still_serves_calls_without_a_tree(trl_model):
     out = trl_model(input_ids=ids, shift_labels=torch.tensor([[2, 3, 4, -100]]), fused_lm_head=True)
     assert out.log_probs.shape == (1, 4)
     _set_attention(trl_model, "asyncgrpo_tree")
+
+
+def test_trained_samples_keep_the_version_that_generated_them():
+    """TRL's RolloutQueueDataset drops stale samples and yields dicts without the version;
+    through `LastTaken` + `WithPolicyVersions` each yielded sample carries its own, and the
+    batcher counts them (the trainer's status reports the count)."""
+    import queue
+
+    import numpy as np
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    from asyncgrpo.trainer.tree.trl_integration import LastTaken, WithPolicyVersions
+
+    q: queue.Queue = queue.Queue()
+    versions = [7, 2, 9, 8, 4, 9]  # trainer at 9, maxStaleness 2: 2 and 4 are dropped
+    for i, v in enumerate(versions):
+        q.put(RolloutSample(prompt=[], completion=[], input_ids=np.arange(6),
+                            completion_mask=np.array([0, 0, 0, 1, 1, 1]),
+                            old_log_probs=np.zeros(6, np.float32), advantage=float(i),
+                            model_version=v, group_id=i, metrics={"reward": 0.0}))
+    taken = LastTaken(q)
+    dataset = RolloutQueueDataset(rollout_queue=taken, model_version_fn=lambda: 9,
+                                  check_health_fn=lambda _s: None, stale_after_s=60,
+                                  metrics=defaultdict(list), max_staleness=2)
+    batcher = TreeBatcher(WithPolicyVersions(dataset, taken), num_processes=1, token_budget=64,
+                          samples_per_plan=4)
+    micro = next(iter(batcher))
+    yielded = sorted((s["advantage"], s["model_version"]) for row in micro.samples for s in row)
+    assert yielded == [(0.0, 7), (2.0, 9), (3.0, 8), (5.0, 9)]
+    assert batcher.versions == {9: 2, 7: 1, 8: 1}

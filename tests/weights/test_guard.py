@@ -20,6 +20,11 @@ from asyncgrpo.weights.guard import DevRoutesLoopbackOnly, allowed
     ("/update_weight_version", "10.1.2.3", "10.1.2.9", False),
     ("/reset_prefix_cache", "10.1.2.3", "10.1.2.9", False),
     ("/v1load", "10.1.2.3", "10.1.2.9", False),  # a prefix trick is not /v1/
+    # rollouts of full fine-tuning generate here (it reports weight versions); aborting
+    # other clients' requests stays inside the pod
+    ("/inference/v1/generate", "10.1.2.3", "10.1.2.9", True),
+    ("/inference/v1/abort_requests", "10.1.2.3", "10.1.2.9", False),
+    ("/abort_requests", "10.1.2.3", "10.1.2.9", False),
     # in a pod: the puller calls 127.0.0.1 from 127.0.0.1
     ("/collective_rpc", "127.0.0.1", "127.0.0.1", True),
     ("/collective_rpc", "::1", "::1", True),

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from asyncgrpo.adapters.probe import served_prompt_logprobs, trained_prompt_logprobs
+from asyncgrpo.controller.vllm import FULL_FINETUNING_ARGS
 from asyncgrpo.local.vllm import vllm_python, vllm_venv
 from asyncgrpo.testing.net import free_port
 from asyncgrpo.testing.vllm import launch_vllm
 from asyncgrpo.trainer.weights import BucketWeightTransfer
-from asyncgrpo.weights.guard import MIDDLEWARE
 from asyncgrpo.weights.puller import Puller, VLLMControl
 from asyncgrpo.weights.store import WeightStore
 
@@ -41,7 +41,7 @@ def start_full_ft_vllm(model: Path, log_path: Path):
     port = free_port()
     args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--seed", "0",
-            "--middleware", MIDDLEWARE]
+            *FULL_FINETUNING_ARGS]
     return launch_vllm(args, port=port, model=str(model), log_path=log_path,
                        env={"VLLM_PLUGINS": ""})
 

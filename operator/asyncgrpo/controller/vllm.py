@@ -33,11 +33,16 @@ from asyncgrpo.controller.common import (
     tmp_volume,
 )
 from asyncgrpo.controller.metrics import scrape_annotations
+from asyncgrpo.weights.guard import MIDDLEWARE
 from asyncgrpo.wire import CACHE_DIR, PULLER_PORT, VLLM_PORT, WEIGHTS_DIR
 
 COMPONENT = "vllm"
 #: the weights puller sidecar's container name (full fine-tuning)
 PULLER_CONTAINER = "weights-puller"
+#: vLLM's extra arguments for full fine-tuning: the dev-mode routes (the puller's swap) answer
+#: only to the pod itself; the generate route (`--enable-scale-out`) tells rollouts which
+#: weight version sampled each token (asyncgrpo.trainer.served_versions).
+FULL_FINETUNING_ARGS = ("--middleware", MIDDLEWARE, "--enable-scale-out")
 
 
 def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
@@ -56,8 +61,8 @@ def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,
     if m.finetuning == "lora":
         args += ["--enable-lora", "--max-lora-rank", str(r.max_lora_rank),
                  "--max-loras", str(r.max_loras)]
-    else:  # dev-mode routes (the puller's swap) answer only to loopback, i.e. the pod itself
-        args += ["--middleware", "asyncgrpo.weights.guard.DevRoutesLoopbackOnly"]
+    else:
+        args += FULL_FINETUNING_ARGS
     return args + list(r.extra_args)
 
 

@@ -23,6 +23,8 @@ gathered under FSDP2, into `asyncgrpo.trainer.weights.BucketWeightTransfer` (TRL
 `weight_transfer=` protocol), which publishes `weights/v{N}` (anchor or sparse delta, manifest
 last) with the trained log-probs of the probe in the manifest. Each vLLM replica's puller
 swaps it in and checks the served log-probs against those. TRL's NCCL client is never built.
+Rollouts then ask vLLM which weights sampled them (asyncgrpo.trainer.served_versions): each
+replica swaps on its own schedule, so the trainer's own version is no measure of staleness.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from asyncgrpo.adapters.probe import (
 from asyncgrpo.adapters.store import AdapterStoreError, StoreUnavailable
 from asyncgrpo.storage import retry
 from asyncgrpo.trainer.rollout_gate import RolloutGate
+from asyncgrpo.trainer.served_versions import ServedVersionRolloutLoop
 from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
 
 log = logging.getLogger(__name__)
@@ -159,6 +162,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             self._weights.to_checkpoint = lambda sd: revert_weight_conversion(hf_model, sd)
         self._gate = None
         if isinstance(self.rollout_worker, AsyncRolloutWorker):
+            if self._weights is not None:  # replicas swap on their own: ask vLLM what sampled
+                self.rollout_worker._loop_cls = ServedVersionRolloutLoop
             self._gate = RolloutGate(self.rollout_worker)
 
     # TRL assigns `self._lora_name = "trl-policy"` in __init__ and builds the rollout worker's
@@ -422,6 +427,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             "served_version": self.served_version,
             "resumed_from_step": self.resumed_from_step,
             "published": self.published,
+            "sample_versions": {str(v): n for v, n in sorted(
+                self.trained_sample_versions.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
             "history": self.history,
             "conditions": self._metrics_sink.status()["conditions"] if self._metrics_sink else [],
         }

@@ -53,6 +53,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sample_staleness_max_steps": (
         "gauge", "Most policy versions between generating and training a sample, last step.",
         ()),
+    "rollout_mixed_versions_ratio": (
+        "gauge", ("Fraction of the last window's rollouts sampled by more than one weight "
+                  "version (a replica swapped mid-rollout); full fine-tuning."), ()),
     "dropped_stale_samples_total": ("counter", "Samples dropped as older than maxStaleness.", ()),
     "adapter_publish_seconds": (
         "histogram", "Seconds from the end of a step to the adapter's manifest in the bucket.", ()),
@@ -221,6 +224,8 @@ class TrainerMetrics:
             self.set("sample_staleness_steps", v)
         if (v := get("sample/staleness_max")) is not None:
             self.set("sample_staleness_max_steps", v)
+        if (v := get("rollout/mixed_versions_ratio")) is not None:
+            self.set("rollout_mixed_versions_ratio", v)
         if (v := get("sample/dropped_stale_total")) is not None:
             self.inc("dropped_stale_samples_total", v)
         if (v := get("sample/rollout_queue_size")) is not None:

@@ -62,7 +62,8 @@ class RolloutGate:
         self._shm = shared_memory.SharedMemory(create=True, size=_SIZE)
         self._shm.buf[:_SIZE] = bytes(_SIZE)
         self._shm.buf[0] = 1
-        worker._loop_cls = GatedRolloutLoop
+        if not issubclass(worker._loop_cls, GatedRolloutLoop):
+            worker._loop_cls = GatedRolloutLoop
         worker._loop_kwargs["gate_name"] = self._shm.name
 
     def _inflight(self) -> int:

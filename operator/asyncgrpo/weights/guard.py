@@ -23,8 +23,9 @@ from __future__ import annotations
 import ipaddress
 import json
 
-#: Path prefixes any client may use: the OpenAI API, health, metrics.
-PUBLIC = ("/v1/", "/health", "/metrics", "/ping", "/version")
+#: Paths (prefixes) any client may use: the OpenAI API, the token-in/token-out generate route
+#: (rollouts of full fine-tuning: it reports which weights sampled each token), health, metrics.
+PUBLIC = ("/v1/", "/inference/v1/generate", "/health", "/metrics", "/ping", "/version")
 MIDDLEWARE = "asyncgrpo.weights.guard.DevRoutesLoopbackOnly"
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +96,38 @@ def rollout_from_sample(sample: dict[str, Any]) -> Rollout:
     )
 
 
+class LastTaken:
+    """The rollout queue, remembering the sample last taken from it.
+
+    TRL 1.16's `RolloutQueueDataset` yields (or drops as stale) each sample right after taking
+    it, and the dict it yields leaves out the sample's policy version: paired with
+    `WithPolicyVersions`, this puts it back.
+    """
+
+    def __init__(self, queue):
+        self.queue = queue
+        self.last = None
+
+    def get(self, *args, **kwargs):
+        self.last = self.queue.get(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+
+@dataclass
+class WithPolicyVersions:
+    """The dataset's sample dicts with `model_version`: the version that generated each."""
+
+    samples: Iterable[dict[str, Any]]
+    taken: LastTaken
+
+    def __iter__(self):
+        for sample in self.samples:
+            yield {**sample, "model_version": int(self.taken.last.model_version)}
+
+
 @dataclass
 class TreeMicroBatch:
     """A planned micro-batch plus the TRL samples of each row (their reward metrics ride along)."""
@@ -124,6 +156,7 @@ class TreeBatcher(torch.utils.data.IterableDataset):
         self.token_budget = token_budget
         self.samples_per_plan = max(samples_per_plan, num_processes)
         self.samples_per_micro_batch = samples_per_micro_batch
+        self.versions: Counter = Counter()  # samples trained, by the policy version that sampled them
         if token_budget <= 0 and not samples_per_micro_batch:
             raise RolloutError("token_budget <= 0 packs a fixed count of samples per micro-batch (as TRL's "
                              "FixedCountBatcher): pass samples_per_micro_batch, or a positive token_budget")
@@ -131,6 +164,7 @@ class TreeBatcher(torch.utils.data.IterableDataset):
     def __iter__(self):
         buffer: list[dict[str, Any]] = []
         for sample in self.dataset:
+            self.versions[sample.get("model_version")] += 1
             buffer.append(sample)
             if len(buffer) >= self.samples_per_plan:
                 yield from self.plan(buffer)
@@ -331,6 +365,8 @@ class TreePackingMixin:
 
     def __init__(self, *args, **kwargs):
         check_trl_version()
+        #: samples trained so far, by the policy version that sampled them (rank 0's batcher)
+        self.trained_sample_versions: Counter = Counter()
         super().__init__(*args, **kwargs)
         install_tree_packing(self.model, temperature=self.temperature)
 
@@ -358,8 +394,9 @@ class TreePackingMixin:
 
         num_processes = self.accelerator.num_processes
         if self.accelerator.is_main_process:
+            taken = LastTaken(self.rollout_queue)
             dataset = RolloutQueueDataset(
-                rollout_queue=self.rollout_queue,
+                rollout_queue=taken,
                 model_version_fn=lambda: self.model_version,
                 check_health_fn=self.rollout_worker.check_health,
                 stale_after_s=self.args.heartbeat_stale_after_s,
@@ -374,9 +411,10 @@ class TreePackingMixin:
             per_step = (self.args.per_device_train_batch_size * num_processes
                         * self.args.gradient_accumulation_steps)
             # token_budget <= 0 is TRL's fixed count: per_device_train_batch_size x ranks samples per micro-batch.
-            dataset = TreeBatcher(dataset, num_processes, self.args.token_budget,
+            dataset = TreeBatcher(WithPolicyVersions(dataset, taken), num_processes, self.args.token_budget,
                                   self.samples_per_plan or per_step,
                                   samples_per_micro_batch=self.args.per_device_train_batch_size * num_processes)
+            self.trained_sample_versions = dataset.versions
         else:
             dataset = _EmptyIterableDataset()
         collator = TreeCollator(

@@ -155,3 +155,32 @@ def test_two_replicas_follow_anchors_and_deltas(tiny, s3_server, bucket, s3_env,
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_puller_resumes_the_replica_its_predecessor_left_paused(vllm_server, store, tmp_path):
+    """A puller killed between /pause and /resume froze every request to its replica; the
+    next one resumes it before catching up (here nothing is published: no swap follows)."""
+    import threading
+
+    from asyncgrpo.testing.waiting import wait_for
+
+    def paused() -> bool:
+        status, doc = vllm_server.request("GET", "/is_paused")
+        assert status == 200, doc
+        return bool(doc["is_paused"])
+
+    status, doc = vllm_server.request("POST", "/pause?mode=keep")
+    assert status == 200 and paused(), doc
+    puller = Puller(store, VLLMControl(vllm_server.base_url), tmp_path / "pod", poll_s=0.2)
+    thread = threading.Thread(target=puller.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: not paused(), timeout=60, what="the replica resumed")
+        # and it generates again
+        status, doc = vllm_server.completion(vllm_server.model, [1, 2, 3], max_tokens=2)
+        assert status == 200, doc
+        wait_for(lambda: puller.ready, timeout=30, what="the puller ready (nothing published)")
+    finally:
+        puller.stop()
+        thread.join(timeout=30)
+        vllm_server.request("POST", "/resume")  # the session's server: leave it running

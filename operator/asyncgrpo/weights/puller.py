@@ -148,6 +148,15 @@ class VLLMControl:
         finally:
             self._ok("resume", "POST", "/resume")
 
+    def resume_if_paused(self) -> bool:
+        """Resume a server left paused (True if it was): a puller killed between ``/pause``
+        and ``/resume`` leaves every request to its replica frozen until someone resumes."""
+        status, doc = self.call("GET", "/is_paused", timeout=10)
+        if status == 200 and isinstance(doc, dict) and doc.get("is_paused"):
+            self._ok("resume", "POST", "/resume")
+            return True
+        return False
+
     def next_logprob(self, model: str, token_ids: list[int]) -> float:
         """Log-prob of the greedy token after ``token_ids``, generated: through the prefix
         cache, unlike prompt log-probs."""
@@ -386,6 +395,16 @@ class Puller:
         """Rounds until :meth:`stop`; waits for vLLM to answer first."""
         while not self._stop.is_set() and not self.vllm.healthy():
             self._stop.wait(1.0)
+        # Before any catching up (an anchor's download may take minutes at 30B): requests to
+        # this replica must not stay frozen by a predecessor killed mid-swap. What it serves
+        # until the next swap is labelled by the last /update_weight_version, an older or equal
+        # version: staleness is overestimated, never under.
+        try:
+            if self.vllm.resume_if_paused():
+                log.warning("weights: vLLM was left paused (a puller stopped mid-swap): resumed")
+        except (SwapFailed, OSError) as err:
+            self.errors += 1
+            log.warning("weights: could not check vLLM's pause state: %s", err)
         while not self._stop.is_set():
             try:
                 changed = self.round()

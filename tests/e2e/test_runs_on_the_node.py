@@ -289,8 +289,11 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
 
     wait_for("the served-weights panels' data", weights_panels_have_data, timeout=60,
              on_timeout=lambda: str([c.source for c in empty]))
-    # deleting the run mid-way stops it, and the cleanup Job empties its bucket folder
-    stack.kubectl("-n", ns, "delete", "agr", "whole", "--wait=true", timeout=300)
+    # deleting the run mid-way stops it, and the cleanup Job empties its bucket folder; in
+    # the foreground, as GitOps tools delete: the run's children (its ServiceAccount, which
+    # the cleanup Job runs as, among them) go first
+    stack.kubectl("-n", ns, "delete", "agr", "whole", "--cascade=foreground", "--wait=true",
+                  timeout=300)
     left = [o["Key"] for o in stack.s3.client().list_objects_v2(
         Bucket="e2e-whole").get("Contents", [])]
     assert not [k for k in left if k.startswith(f"asyncgrpo/{ns}/whole/")], left

@@ -16,7 +16,7 @@ import contextlib
 import pytest
 
 from asyncgrpo.api.validation import validate_run
-from asyncgrpo.controller import sandboxes, trainer
+from asyncgrpo.controller import rbac, sandboxes, trainer
 from asyncgrpo.testing import prometheus as p
 from asyncgrpo.testing.cluster import ADMIN_TOKEN
 from asyncgrpo.testing.pod_discovery import PodDiscovery
@@ -48,6 +48,8 @@ def test_the_charts_scrape_job_discovers_and_relabels_the_operators_pods(kube_cl
         doc["spec"]["sandboxes"].pop("runtimeClassName")   # no RuntimeClass on this cluster
         run, errors = validate_run(doc)
         assert not errors, errors
+        for account in (o for o in rbac.build_rbac(run) if o["kind"] == "ServiceAccount"):
+            api.create(account)  # as the operator does first: pods need their accounts
         sts = trainer.build_statefulset(run)
         api.create(as_pod(sts["spec"]["template"], "math-trainer-0", ns))
         sandbox = sandboxes.build_pod(run, "a1")

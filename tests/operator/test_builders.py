@@ -247,6 +247,23 @@ def test_rbac_least_privilege():
     assert [o["kind"] for o in single] == ["ServiceAccount"]
 
 
+def test_the_workload_account_is_held_for_the_bucket_cleanup_only_with_delete():
+    """The cleanup Job runs as `<run>-workload`: with deletionPolicy Delete a finalizer keeps
+    it through a foreground deletion; with Retain an empty list, so that the merge patch of a
+    policy change drops it."""
+    def account(example):
+        return next(o for o in rbac.build_rbac(run_of(example))
+                    if o["metadata"]["name"].endswith("-workload"))
+
+    held = account("full-finetune.yaml")
+    assert held["metadata"]["finalizers"] == [rbac.CLEANUP_FINALIZER]
+    assert held["metadata"]["name"] == rbac.workload_account_name("qwen3-full")
+    assert account("lora-math.yaml")["metadata"]["finalizers"] == []
+    # no other account is held
+    assert all("finalizers" not in o["metadata"] for o in rbac.build_rbac(run_of())
+               if not o["metadata"]["name"].endswith("-workload"))
+
+
 def test_network_policies():
     run = run_of()
     pols = {p["metadata"]["name"]: p["spec"] for p in network.build_policies(

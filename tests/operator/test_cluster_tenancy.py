@@ -61,6 +61,30 @@ def test_same_name_in_two_namespaces_has_two_folders_and_delete_keeps_the_other(
     api.call("DELETE", f"/api/v1/namespaces/{other}")
 
 
+def test_a_foreground_deletion_still_empties_the_folder(api, ns, s3_server):
+    """`propagationPolicy: Foreground` (kubectl --cascade=foreground; GitOps tools use it)
+    deletes the run's children before the run, its ServiceAccount among them, while the
+    operator's finalizer holds the run: the cleanup Job runs as that ServiceAccount all the
+    same. With a trainer pod, which the operator stops (and waits for) before the cleanup."""
+    from tests.operator.test_cluster_lifecycle import bring_up
+
+    run = make_run(s3_server, ns, "fg")
+    run["spec"]["adapterStore"].update({"bucket": "tenancy-fg", "deletionPolicy": "Delete"})
+    api.create(run)
+    wait_for(lambda: bucket_ready(api, ns, "fg"), what="bucket ready")
+    bring_up(api, ns, "fg")
+    assert api.get("Pod", ns, "fg-trainer-0") is not None
+    s3_server.client().put_object(Bucket="tenancy-fg", Key=f"asyncgrpo/{ns}/fg/adapters/v1/f",
+                                  Body=b"1")
+    api.delete("AsyncGRPORun", ns, "fg", propagation="Foreground")
+    wait_for(lambda: api.get("AsyncGRPORun", ns, "fg") is None, timeout=120,
+             what="run deleted", on_timeout=lambda: str(api.events(ns, "fg")))
+    assert not [k for k in keys(s3_server, "tenancy-fg") if k.startswith(f"asyncgrpo/{ns}/")]
+    assert "BucketCleaned" in {e["reason"] for e in api.events(ns, "fg")}
+    # nothing the cleanup needed is left behind
+    assert api.get("ServiceAccount", ns, "fg-workload") is None
+
+
 def test_a_run_aimed_inside_another_runs_folder_is_refused_and_deletes_nothing(
         api, ns, s3_server):
     """The issue's `adapters` run with prefix `asyncgrpo/shared`, in today's layout: a prefix

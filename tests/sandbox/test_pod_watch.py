@@ -6,13 +6,12 @@ kubelet would, and runs each pod's sandbox server on its own loopback address 12
 
 from __future__ import annotations
 
-import uuid
-
 import httpx
 import pytest
 from kubernetes import client as k8s
 
 from asyncgrpo.sandbox.members import pod_member
+from asyncgrpo.testing.kube import Api
 from tests.conftest import free_port
 from tests.sandbox.conftest import gw_client, holder, start_gateway, start_sandbox, wait_until
 
@@ -39,8 +38,7 @@ def test_pod_member_reads_only_running_pods_with_an_ip():
 @pytest.mark.cluster
 def test_gateway_follows_the_runs_sandbox_pods(kube_cluster, kube_client, tmp_path):
     core = k8s.CoreV1Api(kube_client)
-    ns = f"sbx-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": ns}})
+    ns = Api(kube_client).namespace("sbx")  # with its default ServiceAccount, which pods use
     port = free_port()
     sandboxes = [start_sandbox(tmp_path, f"pod{i}", host=f"127.0.0.{i + 2}", port=port) for i in range(3)]
     labels_other_run = {**SELECTOR, "asyncgrpo.dev/run": "other"}

@@ -28,7 +28,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo import API_GROUP, API_VERSION
-from asyncgrpo.controller import bucket, bucketjob, observe, reconcile
+from asyncgrpo.controller import bucket, bucketjob, observe, rbac, reconcile
 from asyncgrpo.controller.common import HASH_ANNOTATION, MANAGED_BY, RUN_LABEL
 from asyncgrpo.controller.runtime import Runtime, Settings
 
@@ -225,6 +225,24 @@ def _deleting_for(body: kopf.Body) -> float:
     return (datetime.now(UTC) - since).total_seconds()
 
 
+def release_workload_account(rt: Runtime, ns: str, run_name: str) -> None:
+    """Drop the cleanup finalizer from the run's ServiceAccount (`rbac.CLEANUP_FINALIZER`):
+    the cleanup is over, or was never to be. A conflict (someone else wrote it) is retried by
+    kopf."""
+    account = rt.kube.get("ServiceAccount", ns, rbac.workload_account_name(run_name))
+    held = (account or {}).get("metadata", {}).get("finalizers") or []
+    if rbac.CLEANUP_FINALIZER not in held:
+        return
+    meta = account["metadata"]
+    try:
+        rt.kube.patch({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {
+            "name": meta["name"], "namespace": ns, "resourceVersion": meta["resourceVersion"],
+            "finalizers": [f for f in held if f != rbac.CLEANUP_FINALIZER]}})
+    except ApiException as e:
+        if e.status != 404:  # gone meanwhile: nothing to release
+            raise
+
+
 def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
               **kwargs: Any) -> None:
     """Apply deletionPolicy Delete to the run's own folder by a cleanup Job, never blocking.
@@ -242,22 +260,24 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     job_name = f"{body.metadata.name}-{bucketjob.CLEANUP}"
     job = next((c for c in children if c.kind == "Job" and c.name == job_name), None)
 
+    def finish() -> None:
+        release_workload_account(rt, ns, body.metadata.name)
+        rt.forget(key)
+
     def done(type_: str, reason: str, message: str) -> None:
         if job is not None and not job.deleting:
             rt.kube.delete("Job", ns, job_name, propagation="Background")
         kopf.event(body, type=type_, reason=reason, message=message)
-        rt.forget(key)
+        finish()
 
     run, _errors = reconcile.validate_run(reconcile.run_document(dict(body)))
     if run is None:
         if ((body.spec or {}).get("adapterStore") or {}).get("deletionPolicy") == "Delete":
             return done("Warning", "CleanupSkipped", "bucket objects kept: the spec is not "
                         "a valid run")
-        rt.forget(key)
-        return
+        return finish()
     if run.spec.adapter_store.deletion_policy != "Delete":
-        rt.forget(key)
-        return
+        return finish()
     if str(body.metadata.annotations.get(SKIP_CLEANUP, "")).lower() == "true":
         return done("Warning", "CleanupSkipped", f"bucket objects kept: {SKIP_CLEANUP} is set")
     uid = str(body.metadata.get("uid") or "")

@@ -19,16 +19,30 @@ from asyncgrpo.controller import gateway, sandboxes
 from asyncgrpo.controller.common import metadata, name, stamp
 
 WORKLOAD = "workload"
+#: Holds `<run>-workload` until the bucket cleanup Job, which runs as it, is done: a
+#: foreground deletion (`kubectl delete --cascade=foreground`, GitOps tools) deletes the run's
+#: children before the run, and a Job whose ServiceAccount is gone never gets a pod. Only with
+#: `deletionPolicy: Delete`; the delete handler removes it on every way out.
+CLEANUP_FINALIZER = "asyncgrpo.dev/bucket-cleanup"
 
 
-def _account(run: AsyncGRPORun, component: str, automount: bool) -> dict[str, Any]:
-    return stamp({"apiVersion": "v1", "kind": "ServiceAccount",
-                  "metadata": metadata(run, component),
+def _account(run: AsyncGRPORun, component: str, automount: bool,
+             finalizers: list[str] | None = None) -> dict[str, Any]:
+    meta = metadata(run, component)
+    if finalizers is not None:
+        meta["finalizers"] = finalizers
+    return stamp({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta,
                   "automountServiceAccountToken": automount})
 
 
+def workload_account_name(run_name: str) -> str:
+    return f"{run_name}-{WORKLOAD}"
+
+
 def build_rbac(run: AsyncGRPORun) -> list[dict[str, Any]]:
-    out = [_account(run, WORKLOAD, automount=False)]
+    # an empty list rather than none: the merge patch then drops it when the policy changes
+    holds = [CLEANUP_FINALIZER] if run.spec.adapter_store.deletion_policy == "Delete" else []
+    out = [_account(run, WORKLOAD, automount=False, finalizers=holds)]
     if run.spec.sandboxes is None:
         return out
     gw = name(run, gateway.COMPONENT)

@@ -69,8 +69,10 @@ class TestCluster:
 
     Without a node (the default) everything listens on 127.0.0.1 and no pod runs. With a
     node (asyncgrpo.testing.node), the API server listens on the host's end of the node's
-    veth (`bind_address`) so pods reach it through the `kubernetes` Service, the
-    ServiceAccount admission plugin mints pod tokens, and kube-scheduler binds pods.
+    veth (`bind_address`) so pods reach it through the `kubernetes` Service, and
+    kube-scheduler binds pods. Either way the ServiceAccount admission plugin is on, as on
+    any cluster: a pod whose ServiceAccount does not exist is refused (a foreground deletion
+    of a run showed why that matters).
     """
 
     workdir: Path
@@ -136,9 +138,6 @@ class TestCluster:
             "--kubelet-preferred-address-types", "InternalIP",
             "--kubelet-client-certificate", str(pki / "kubelet-client.crt"),
             "--kubelet-client-key", str(pki / "kubelet-client.key"),
-            # Without a node no pod runs, and pods are admitted without waiting for token
-            # Secrets; with one, pods get their ServiceAccount token as on any cluster.
-            *([] if self.for_node else ["--disable-admission-plugins", "ServiceAccount"]),
         ])
         self._write_kubeconfig()
         self._wait_ready(timeout)

@@ -38,9 +38,14 @@ class Api(Kube):
                          content_type="application/merge-patch+json")
 
     def namespace(self, prefix: str = "t") -> str:
+        """A new namespace, once its `default` ServiceAccount exists (the controller-manager
+        makes it; until then the ServiceAccount admission plugin refuses pods that use it)."""
         name = f"{prefix}-{uuid.uuid4().hex[:6]}"
         self.call("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace",
                                                        "metadata": {"name": name}})
+        deadline = time.monotonic() + 30
+        while self.get("ServiceAccount", name, "default") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         return name
 
     def run(self, ns: str, name: str) -> dict:

@@ -85,6 +85,23 @@ def test_a_foreground_deletion_still_empties_the_folder(api, ns, s3_server):
     assert api.get("ServiceAccount", ns, "fg-workload") is None
 
 
+def test_deleting_the_namespace_of_a_run_is_not_held_up(api, ns, s3_server):
+    """A namespace going away takes the run's Secret and ServiceAccount with it: no cleanup
+    Job can run there, so the run is released at once, and with it the ServiceAccount it
+    held for the cleanup, and the namespace goes."""
+    run = make_run(s3_server, ns, "doomed")
+    run["spec"]["adapterStore"].update({"bucket": "tenancy-ns", "deletionPolicy": "Delete"})
+    api.create(run)
+    wait_for(lambda: bucket_ready(api, ns, "doomed"), what="bucket ready")
+    account = api.get("ServiceAccount", ns, "doomed-workload")
+    assert account["metadata"]["finalizers"] == ["asyncgrpo.dev/bucket-cleanup"]
+    api.call("DELETE", f"/api/v1/namespaces/{ns}")
+    wait_for(lambda: ns not in [n["metadata"]["name"] for n in
+                                api.call("GET", "/api/v1/namespaces")["items"]], timeout=120,
+             what="the namespace gone", on_timeout=lambda: str(
+                 api.get("ServiceAccount", ns, "doomed-workload")))
+
+
 def test_a_run_aimed_inside_another_runs_folder_is_refused_and_deletes_nothing(
         api, ns, s3_server):
     """The issue's `adapters` run with prefix `asyncgrpo/shared`, in today's layout: a prefix

@@ -243,15 +243,39 @@ def release_workload_account(rt: Runtime, ns: str, run_name: str) -> None:
             raise
 
 
+def _stop_trainer(rt: Runtime, ns: str, children: list[observe.Child]) -> None:
+    for c in children:
+        if c.component == "trainer" and c.kind in ("StatefulSet", "Pod") and not c.deleting:
+            rt.kube.delete(c.kind, ns, c.name, propagation="Background")
+
+
+def _create_cleanup_job(rt: Runtime, job: dict[str, Any]) -> tuple[str, str] | None:
+    """Create the cleanup Job: (reason, message) when none can ever be created there (the run
+    is then released, its objects kept); kopf.TemporaryError when a later try may work."""
+    try:
+        rt.kube.create(job)
+    except ApiException as e:
+        reason, message = reconcile.api_error(e)
+        if e.status == 403 and "terminat" in message:
+            # the namespace is going away, with the Secret and the ServiceAccount
+            return ("CleanupAbandoned",
+                    "the namespace is being deleted, no cleanup Job can run there")
+        if e.status < 500 and e.status != 409:
+            return "CleanupFailed", f"the cleanup Job was refused ({reason}: {message})"
+        raise kopf.TemporaryError(f"creating the cleanup Job: {reason}", delay=5) from None
+    return None
+
+
 def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
               **kwargs: Any) -> None:
     """Apply deletionPolicy Delete to the run's own folder by a cleanup Job, never blocking.
 
-    The trainer's pods are stopped first (they would write after the cleanup). The Job runs in the run's namespace as its ServiceAccount with its Secret (`bucketjob`);
-    this handler creates it, then asks kopf to call again (TemporaryError) until the Job
-    finished, the user set SKIP_CLEANUP, or `cleanup_timeout_seconds` passed since the
-    deletion. Every outcome is an event; the Job is deleted on every way out. The Job has no
-    ownerReference to the run: a foreground deletion would otherwise remove it first.
+    The trainer's pods are stopped first (they would write after the cleanup). The Job runs
+    in the run's namespace as its ServiceAccount with its Secret (`bucketjob`); this handler
+    creates it, then asks kopf to call again (TemporaryError) until the Job finished, the user
+    set SKIP_CLEANUP, or `cleanup_timeout_seconds` passed since the deletion. Every outcome is
+    an event; on every way out the Job is deleted and the ServiceAccount released. The Job has
+    no ownerReference to the run: a foreground deletion would otherwise remove it first.
     """
     rt = runtime(memo)
     key = (body.metadata.namespace, body.metadata.name)
@@ -300,29 +324,15 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
         # outlive it while its finalizer holds: stop them first, clean up after them.
         if waited >= timeout:
             return give_up("the trainer pods did not stop")
-        for c in children:
-            if c.component == "trainer" and c.kind in ("StatefulSet", "Pod") and not c.deleting:
-                rt.kube.delete(c.kind, ns, c.name, propagation="Background")
+        _stop_trainer(rt, ns, children)
         raise kopf.TemporaryError("waiting for the trainer to stop before the bucket cleanup",
                                   delay=2)
     desired = bucketjob.build_job(run, bucketjob.CLEANUP, uid, reconcile.job_settings(rt))
     if job is None or job.deleting:
         if waited >= timeout:
             return give_up("no cleanup Job could run")
-        if job is None:
-            try:
-                rt.kube.create(desired)
-            except ApiException as e:
-                reason, message = reconcile.api_error(e)
-                if e.status == 403 and "terminat" in message:
-                    # the namespace is going away, with the Secret and the ServiceAccount
-                    return done("Warning", "CleanupAbandoned", "bucket objects kept: the "
-                                "namespace is being deleted, no cleanup Job can run there")
-                if e.status < 500 and e.status != 409:
-                    return done("Warning", "CleanupFailed", f"bucket objects kept: the "
-                                f"cleanup Job was refused ({reason}: {message})")
-                raise kopf.TemporaryError(f"creating the cleanup Job: {reason}", delay=5) \
-                    from None
+        if job is None and (refused := _create_cleanup_job(rt, desired)):
+            return done("Warning", refused[0], f"bucket objects kept: {refused[1]}")
         raise kopf.TemporaryError("waiting for the bucket cleanup Job", delay=2)
     if job.hash != desired["metadata"]["annotations"][HASH_ANNOTATION]:
         # a Job of an earlier run of the same name, or of another operator version

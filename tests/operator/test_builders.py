@@ -257,7 +257,7 @@ def test_the_workload_account_is_held_for_the_bucket_cleanup_only_with_delete():
 
     held = account("full-finetune.yaml")
     assert held["metadata"]["finalizers"] == [rbac.CLEANUP_FINALIZER]
-    assert held["metadata"]["name"] == rbac.workload_account_name("qwen3-full")
+    assert held["metadata"]["name"] == "qwen3-full-workload"
     assert account("lora-math.yaml")["metadata"]["finalizers"] == []
     # no other account is held
     assert all("finalizers" not in o["metadata"] for o in rbac.build_rbac(run_of())

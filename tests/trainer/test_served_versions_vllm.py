@@ -17,6 +17,7 @@ import random
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, _AsyncRolloutLoop
 
 from asyncgrpo.testing.waiting import wait_for
@@ -74,8 +75,8 @@ def _label(server, version: str) -> None:
 def _generated_tokens(server) -> float:
     status, doc = server.request("GET", "/metrics")  # not JSON: the text comes as "raw"
     assert status == 200
-    return sum(float(line.rsplit(" ", 1)[1]) for line in doc["raw"].splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+    return sum(sample.value for family in text_string_to_metric_families(doc["raw"])
+               for sample in family.samples if sample.name == "vllm:generation_tokens_total")
 
 
 async def _with_session(loop, coro_fn):

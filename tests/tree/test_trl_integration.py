@@ -213,7 +213,7 @@ def test_trl_fused_head_still_serves_calls_without_a_tree(trl_model):
 def test_trained_samples_keep_the_version_that_generated_them():
     """TRL's RolloutQueueDataset drops stale samples and yields dicts without the version;
     through `LastTaken` + `WithPolicyVersions` each yielded sample carries its own, and the
-    batcher counts them (the trainer's status reports the count)."""
+    counts tally them (the trainer's status reports the count)."""
     import queue
 
     import numpy as np
@@ -233,9 +233,9 @@ def test_trained_samples_keep_the_version_that_generated_them():
     dataset = RolloutQueueDataset(rollout_queue=taken, model_version_fn=lambda: 9,
                                   check_health_fn=lambda _s: None, stale_after_s=60,
                                   metrics=defaultdict(list), max_staleness=2)
-    batcher = TreeBatcher(WithPolicyVersions(dataset, taken), num_processes=1, token_budget=64,
-                          samples_per_plan=4)
+    versions = WithPolicyVersions(dataset, taken)
+    batcher = TreeBatcher(versions, num_processes=1, token_budget=64, samples_per_plan=4)
     micro = next(iter(batcher))
     yielded = sorted((s["advantage"], s["model_version"]) for row in micro.samples for s in row)
     assert yielded == [(0.0, 7), (2.0, 9), (3.0, 8), (5.0, 9)]
-    assert batcher.versions == {9: 2, 7: 1, 8: 1}
+    assert versions.counts == {9: 2, 7: 1, 8: 1}

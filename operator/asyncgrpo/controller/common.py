@@ -27,7 +27,12 @@ RUN_AS_USER = 65532
 
 def name(run: AsyncGRPORun, component: str) -> str:
     """`<run>-<component>`; validation keeps run names short enough for every suffix."""
-    return f"{run.metadata.name}-{component}"
+    return child_name(run.metadata.name, component)
+
+
+def child_name(run_name: str, component: str) -> str:
+    """`name` from the run's name alone (a run being deleted may not parse)."""
+    return f"{run_name}-{component}"
 
 
 def selector(run: AsyncGRPORun, component: str) -> dict[str, str]:

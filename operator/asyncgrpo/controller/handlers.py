@@ -29,7 +29,7 @@ from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo import API_GROUP, API_VERSION
 from asyncgrpo.controller import bucket, bucketjob, observe, rbac, reconcile
-from asyncgrpo.controller.common import HASH_ANNOTATION, MANAGED_BY, RUN_LABEL
+from asyncgrpo.controller.common import HASH_ANNOTATION, MANAGED_BY, RUN_LABEL, child_name
 from asyncgrpo.controller.runtime import Runtime, Settings
 
 log = logging.getLogger("asyncgrpo.operator")
@@ -229,7 +229,7 @@ def release_workload_account(rt: Runtime, ns: str, run_name: str) -> None:
     """Drop the cleanup finalizer from the run's ServiceAccount (`rbac.CLEANUP_FINALIZER`):
     the cleanup is over, or was never to be. A conflict (someone else wrote it) is retried by
     kopf."""
-    account = rt.kube.get("ServiceAccount", ns, rbac.workload_account_name(run_name))
+    account = rt.kube.get("ServiceAccount", ns, child_name(run_name, rbac.WORKLOAD))
     held = (account or {}).get("metadata", {}).get("finalizers") or []
     if rbac.CLEANUP_FINALIZER not in held:
         return
@@ -281,7 +281,7 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     key = (body.metadata.namespace, body.metadata.name)
     ns = key[0]
     children = _children(kwargs, key)
-    job_name = f"{body.metadata.name}-{bucketjob.CLEANUP}"
+    job_name = child_name(body.metadata.name, bucketjob.CLEANUP)
     job = next((c for c in children if c.kind == "Job" and c.name == job_name), None)
 
     def finish() -> None:

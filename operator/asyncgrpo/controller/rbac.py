@@ -35,10 +35,6 @@ def _account(run: AsyncGRPORun, component: str, automount: bool,
                   "automountServiceAccountToken": automount})
 
 
-def workload_account_name(run_name: str) -> str:
-    return f"{run_name}-{WORKLOAD}"
-
-
 def build_rbac(run: AsyncGRPORun) -> list[dict[str, Any]]:
     # an empty list rather than none: the merge patch then drops it when the policy changes
     holds = [CLEANUP_FINALIZER] if run.spec.adapter_store.deletion_policy == "Delete" else []

@@ -427,8 +427,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             "served_version": self.served_version,
             "resumed_from_step": self.resumed_from_step,
             "published": self.published,
-            "sample_versions": {str(v): n for v, n in sorted(
-                self.trained_sample_versions.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
+            "sample_versions": {str(v): n for v, n in sorted(self.trained_sample_versions.items())},
             "history": self.history,
             "conditions": self._metrics_sink.status()["conditions"] if self._metrics_sink else [],
         }

@@ -118,14 +118,18 @@ class LastTaken:
 
 @dataclass
 class WithPolicyVersions:
-    """The dataset's sample dicts with `model_version`: the version that generated each."""
+    """The dataset's sample dicts with `model_version`: the version that generated each;
+    `counts` tallies them (samples trained, by version)."""
 
     samples: Iterable[dict[str, Any]]
     taken: LastTaken
+    counts: Counter = field(default_factory=Counter)
 
     def __iter__(self):
         for sample in self.samples:
-            yield {**sample, "model_version": int(self.taken.last.model_version)}
+            version = int(self.taken.last.model_version)
+            self.counts[version] += 1
+            yield {**sample, "model_version": version}
 
 
 @dataclass
@@ -156,7 +160,6 @@ class TreeBatcher(torch.utils.data.IterableDataset):
         self.token_budget = token_budget
         self.samples_per_plan = max(samples_per_plan, num_processes)
         self.samples_per_micro_batch = samples_per_micro_batch
-        self.versions: Counter = Counter()  # samples trained, by the policy version that sampled them
         if token_budget <= 0 and not samples_per_micro_batch:
             raise RolloutError("token_budget <= 0 packs a fixed count of samples per micro-batch (as TRL's "
                              "FixedCountBatcher): pass samples_per_micro_batch, or a positive token_budget")
@@ -164,7 +167,6 @@ class TreeBatcher(torch.utils.data.IterableDataset):
     def __iter__(self):
         buffer: list[dict[str, Any]] = []
         for sample in self.dataset:
-            self.versions[sample.get("model_version")] += 1
             buffer.append(sample)
             if len(buffer) >= self.samples_per_plan:
                 yield from self.plan(buffer)
@@ -365,7 +367,7 @@ class TreePackingMixin:
 
     def __init__(self, *args, **kwargs):
         check_trl_version()
-        #: samples trained so far, by the policy version that sampled them (rank 0's batcher)
+        #: samples trained so far, by the policy version that sampled them (rank 0)
         self.trained_sample_versions: Counter = Counter()
         super().__init__(*args, **kwargs)
         install_tree_packing(self.model, temperature=self.temperature)
@@ -411,10 +413,10 @@ class TreePackingMixin:
             per_step = (self.args.per_device_train_batch_size * num_processes
                         * self.args.gradient_accumulation_steps)
             # token_budget <= 0 is TRL's fixed count: per_device_train_batch_size x ranks samples per micro-batch.
-            dataset = TreeBatcher(WithPolicyVersions(dataset, taken), num_processes, self.args.token_budget,
+            dataset = TreeBatcher(WithPolicyVersions(dataset, taken, self.trained_sample_versions),
+                                  num_processes, self.args.token_budget,
                                   self.samples_per_plan or per_step,
                                   samples_per_micro_batch=self.args.per_device_train_batch_size * num_processes)
-            self.trained_sample_versions = dataset.versions
         else:
             dataset = _EmptyIterableDataset()
         collator = TreeCollator(

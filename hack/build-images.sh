@@ -7,7 +7,7 @@
 # Env:   TORCH_VARIANT=cpu|cuda (trainer torch; default cuda, `make images` passes cpu)
 #        IMAGE_REGISTRY, IMAGE_TAG  (names; e.g. your registry for `podman push`)
 #        ASYNCGRPO_STANDIN=auto|1|0 (bases: hack/build-base-images.sh)
-#        CONTAINER_ENGINE=podman|docker (default: podman when installed)
+#        CONTAINER_ENGINE=podman|docker (default: hack/container-engine.sh picks a working one)
 #
 # Fast when nothing changed: bases are cached (hack/build-base-images.sh), podman reuses its
 # layers, and the Dockerfiles install dependencies from pyproject.toml before copying the
@@ -20,10 +20,11 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/images-lib.sh"
 
 TORCH_VARIANT="${TORCH_VARIANT:-cuda}"
-engine="${CONTAINER_ENGINE:-}"
-if [[ -z "$engine" ]]; then
-  if command -v podman >/dev/null || ! command -v docker >/dev/null; then engine=podman; else engine=docker; fi
-fi
+# shellcheck source=hack/container-engine.sh
+source "$(dirname "${BASH_SOURCE[0]}")/container-engine.sh"
+pick_container_engine
+engine="$ENGINE"
+log "engine: $engine ($ENGINE_REASON)"
 names=("$@")
 timings="$IMAGES_CACHE/last-build.tsv"
 mkdir -p "$IMAGES_CACHE"

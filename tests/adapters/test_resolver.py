@@ -94,3 +94,36 @@ def test_unreachable_store_returns_none_and_logs(resolver_env, caplog):
         assert r.resolve("policy-v1") is None
     assert "unreachable after 1 attempts" in caplog.text
     assert endpoint not in caplog.text
+
+
+def test_only_canonical_names_resolve(resolver_env):
+    """vLLM's resolver tests expect one name per adapter: an alias takes a second LoRA slot."""
+    r = S3AdapterResolver(resolver_env)
+    for alias in ("policy-v01", "policy-v001", "/policy-v1", "policy-v+1", "policy-v 1"):
+        assert r.parse(alias) is None, alias
+    assert r.parse("policy-v10") == ("main-run", 10)
+    any_run = S3AdapterResolver({**resolver_env, "ASYNCGRPO_ADAPTER_ANY_RUN": "1"})
+    assert any_run.parse("/policy-v1") is None and any_run.parse("r/policy-v01") is None
+
+
+def test_a_published_adapter_that_is_not_lora_is_refused(resolver_env, adapters, tmp_path,
+                                                         caplog):
+    """A P-tuning config in the bucket: vLLM would fail to load it and answer 400; refused here
+    (and on every later call), the client gets the clean 404 of an unknown adapter."""
+    import json
+    import shutil
+
+    ptuning = tmp_path / "ptuning"
+    shutil.copytree(adapters[1], ptuning)
+    cfg = json.loads((ptuning / "adapter_config.json").read_text())
+    cfg["peft_type"] = "P_TUNING"
+    (ptuning / "adapter_config.json").write_text(json.dumps(cfg))
+    store = _store(resolver_env)
+    store.publish(ptuning, 3, step=3)
+    store.publish(adapters[1], 4, step=4)
+    r = S3AdapterResolver(resolver_env)
+    with caplog.at_level(logging.ERROR, logger="vllm.asyncgrpo.s3_lora_resolver"):
+        assert r.resolve("policy-v3") is None
+        assert r.resolve("policy-v3") is None  # the verified copy on disk is not served either
+    assert "is not LORA" in caplog.text
+    assert r.resolve("policy-v4") is not None

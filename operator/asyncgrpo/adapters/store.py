@@ -85,11 +85,15 @@ def adapter_name(version: int, name_prefix: str = DEFAULT_NAME_PREFIX) -> str:
 
 
 def parse_adapter_name(name: str, name_prefix: str = DEFAULT_NAME_PREFIX) -> int | None:
-    """The version in ``policy-v{N}``, or None for any other name (left to other resolvers)."""
+    """The version in ``policy-v{N}``, or None for any other name (left to other resolvers).
+
+    Only the canonical spelling: ``policy-v01`` is not ``policy-v1``. vLLM keys its LoRA slots by
+    name, so an alias would load the same version into a second slot.
+    """
     if not name.startswith(name_prefix):
         return None
     rest = name[len(name_prefix):]
-    if not rest.isascii() or not rest.isdigit():
+    if not rest.isascii() or not rest.isdigit() or rest != str(int(rest)):
         return None
     return int(rest)
 

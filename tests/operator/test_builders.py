@@ -179,6 +179,9 @@ def test_full_finetuning_pulls_weights_from_the_bucket_in_a_sidecar():
     # dev routes guarded; the generate route reports which weights sampled each token
     assert c["args"][c["args"].index("--middleware") + 1] == MIDDLEWARE
     assert "--enable-scale-out" in c["args"]
+    # the puller's swap (asyncgrpo_reload_weights) lives in this worker extension
+    assert c["args"][c["args"].index("--worker-extension-cls") + 1] == \
+        "asyncgrpo.weights.vllm_worker.WeightSwapExtension"
     assert puller["command"] == ["asyncgrpo", "weights", "pull"]
     assert puller["readinessProbe"]["httpGet"]["path"] == "/ready"
     env = {e["name"]: e.get("value") for e in puller["env"]}

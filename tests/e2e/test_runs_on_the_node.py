@@ -360,8 +360,10 @@ def test_flagship_moe_full_fine_tuning_expert_parallel_two_trainer_pods_two_repl
     status = wait_for("the flagship run finished", finished, timeout=1200, interval=2,
                       on_timeout=lambda: stack.describe(ns)
                       + stack.logs(ns, "app.kubernetes.io/component=trainer"))
+    diffs = {pod: {v: h.get("probe_max_diff") for v, h in sorted(by.items())}
+             for pod, by in swaps.items()}
     print(f"\nE2E flagship: status {json.dumps({k: status.get(k) for k in ('phase', 'step')})}"
-          f", swaps {{pod: sorted(v) for pod, v in swaps.items()}}")
+          f", probe max diff per replica and version {diffs}")
     assert status["phase"] == "Succeeded" and status["step"] == 8, json.dumps(status, indent=1)
     assert len(swaps) == 2, swaps
     assert any(w["replicas"] == 2 and w["oldest"] >= 1 for w in served), served

@@ -200,7 +200,9 @@ def svg(panel: Panel, width: int = 720, height: int = 300) -> str:
         return "\n".join(parts)
     t0, t1 = min(p[0] for p in pts), max(p[0] for p in pts)
     vmin, vmax = min(p[1] for p in pts), max(p[1] for p in pts)
-    yt = nice_ticks(min(0.0, vmin), vmax if vmax > min(0.0, vmin) else min(0.0, vmin) + 1.0)
+    base = min(0.0, vmin)
+    # a little headroom, so that a line at the maximum is not drawn on the frame
+    yt = nice_ticks(base, vmax + 0.02 * (vmax - base) if vmax > base else base + 1.0)
     lo, hi = yt[0], yt[-1]
     ystep = yt[1] - yt[0]
     unit_s, unit_name = _time_axis(t1 - t0)

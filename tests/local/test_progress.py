@@ -93,6 +93,19 @@ def test_no_line_before_the_first_step_then_tokens_and_compression_per_step(foll
     assert records[0]["metrics"]["asyncgrpo_trainer_step_seconds_count"] == 1.0
 
 
+def test_steps_logged_between_two_polls_are_each_said(follow):
+    _, said, trainer, follower = follow()
+    trainer.log(1)
+    trainer.log(2)
+    trainer.log(3)
+    follower.poll()
+    assert said == [
+        "step 1/20: reward 0.100 ± 0.050",
+        "step 2/20: reward 0.200 ± 0.050",
+        ("step 3/20: reward 0.300 ± 0.050, policy v4, 1150 tokens/s raw, 460 unique, "
+         "tree compression 2.50x")]
+
+
 def test_a_resumed_run_says_so_once(follow):
     _, said, trainer, follower = follow(resumed_from_step=10)
     trainer.publish(12, 10)

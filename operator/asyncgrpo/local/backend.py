@@ -359,14 +359,18 @@ class _ProgressFollower:
             b.say(line)
             self.said_resumed = True
         logged = [h for h in status.get("history") or [] if h.get("reward") is not None]
-        if not logged or logged[-1].get("step", -1) == self.last_step:
+        new = [i for i, h in enumerate(logged) if h.get("step", -1) > self.last_step]
+        if not new:
             return
         self.last_step = logged[-1].get("step", -1)
+        for i in new[:-1]:  # steps between two polls: their reward; the endpoint has moved on
+            rec = progress.record({"history": logged[:i + 1]}, {})
+            b.say(progress.progress_line(rec, b.total_steps))
+            progress.append(b.progress_path, rec)
         metrics: dict[str, float] = {}
         for url in self.urls:
             for k, v in progress.scrape(url).items():
                 metrics[k] = metrics.get(k, 0.0) + v
         rec = progress.record(status, metrics)
-        if rec is not None:
-            b.say(progress.progress_line(rec, b.total_steps))
-            progress.append(b.progress_path, rec)
+        b.say(progress.progress_line(rec, b.total_steps))
+        progress.append(b.progress_path, rec)

@@ -84,8 +84,9 @@ def progress_line(rec: dict, total_steps: int | None = None) -> str:
     tree compression 2.73x` (figures the scrape did not get are left out)."""
     step = f"{rec['step']}/{total_steps}" if total_steps else str(rec["step"])
     std = f" ± {rec['reward_std']:.3f}" if rec.get("reward_std") is not None else ""
-    parts = [f"step {step}: reward {_num(rec.get('reward'), '.3f')}{std}",
-             f"policy v{rec.get('policy_version') or 0}"]
+    parts = [f"step {step}: reward {_num(rec.get('reward'), '.3f')}{std}"]
+    if rec.get("policy_version") is not None:
+        parts.append(f"policy v{rec['policy_version']}")
     raw, unique = rec.get("raw_tokens_per_second"), rec.get("unique_tokens_per_second")
     if raw is not None:
         parts.append(f"{raw:.0f} tokens/s raw"

@@ -6,12 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help test test-fast demo crd lint system-deps kube-binaries vllm-venv helm images images-containerd image-constraints clean
+.PHONY: help venv test test-fast demo crd lint system-deps kube-binaries vllm-venv helm images images-containerd image-constraints clean
 
 # The trainer image's torch: cpu here and in tests; cuda for GPU clusters (README: Images).
 TORCH_VARIANT ?= cpu
 
 help:
+	@echo "make venv       .venv with the package and the asyncgrpo command (then: . .venv/bin/activate)"
 	@echo "make test       set up everything (venvs, cluster binaries, vLLM CPU venv) and run all tests"
 	@echo "make test-fast  the same without the slow end-to-end tests"
 	@echo "make demo       run the embedded default (local processes, no cluster)"
@@ -27,6 +28,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e '.[operator,trainer,sandbox,dev]'
 	touch $@
+
+# The asyncgrpo command the README runs: . .venv/bin/activate puts it on the PATH.
+venv: $(VENV)/.installed
+	@$(VENV)/bin/asyncgrpo --version
+	@echo "put asyncgrpo on the PATH of this shell: . $(VENV)/bin/activate"
 
 system-deps:
 	bash hack/install-system-deps.sh
@@ -64,6 +70,7 @@ test-fast: $(VENV)/.installed system-deps kube-binaries helm
 demo: $(VENV)/.installed vllm-venv
 	$(VENV)/bin/asyncgrpo local demo-assets .cache/demo
 	$(VENV)/bin/asyncgrpo local run examples/local-tiny.yaml
+	@echo "the asyncgrpo command: . $(VENV)/bin/activate; draw this run: asyncgrpo report --local .cache/local/local-tiny"
 
 crd: $(VENV)/.installed
 	$(VENV)/bin/asyncgrpo crd > crds/asyncgrpo.dev_asyncgrporuns.yaml

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from asyncgrpo import __version__
+
 # subcommand name -> module with `register(subparsers)`; the module registers exactly that name.
 _COMMAND_MODULES: dict[str, str] = {
     "crd": "asyncgrpo.api.commands",
@@ -32,12 +34,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         prog="asyncgrpo",
         description="Asynchronous GRPO with tree-packed training, on Kubernetes or one machine.",
     )
+    parser.add_argument("--version", action="version", version=f"asyncgrpo {__version__}",
+                        help="print the package version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    # Import only the module of the chosen command; for --help import all that import cleanly.
-    modules = [_COMMAND_MODULES[wanted]] if wanted in _COMMAND_MODULES else list(
-        dict.fromkeys(_COMMAND_MODULES.values())
-    )
+    # Import only the module of the chosen command; for --help import all that import cleanly;
+    # for a bare --version none (it answers before any subcommand is looked at).
+    if wanted is None and "--version" in argv:
+        modules = []
+    else:
+        modules = [_COMMAND_MODULES[wanted]] if wanted in _COMMAND_MODULES else list(
+            dict.fromkeys(_COMMAND_MODULES.values()))
     registered: set[str] = set()
     for name in dict.fromkeys(modules):
         try:

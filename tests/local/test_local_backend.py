@@ -71,6 +71,15 @@ def test_local_run_trains_and_stops_everything(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"starting a local S3 server on 127.0.0.1:{s3_port}" in result.stdout
     assert "run local-tiny finished: step 3, policy versions published: v1..v4" in result.stdout
+    # each step with the trainer's throughput and compression (its metrics endpoint), never
+    # a line before the first step; the records are kept for `asyncgrpo report --local`
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    # (a step the poll missed is said with its reward only: the endpoint has moved on)
+    assert any("tokens/s raw" in line and "tree compression" in line for line in steps), steps
+    assert "reward None" not in result.stdout
+    assert "mean over 3 steps:" in result.stdout and "last checkpoint:" in result.stdout
+    assert len((tmp_path / "work" / "progress.jsonl").read_text().splitlines()) == 3
     work = tmp_path / "work"
     # the trainer pod's work emptyDir (ASYNCGRPO_WORK_DIR) holds its status
     status = json.loads((work / "local-tiny-trainer-0" / "work" / "status.json").read_text())

@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 
 from asyncgrpo.api import AsyncGRPORun
 from asyncgrpo.controller import bucketjob, vllm
+from asyncgrpo.local import progress
 from asyncgrpo.local.net import listening
 from asyncgrpo.local.placement import (
     Pod,
@@ -76,6 +77,8 @@ class LocalBackend:
     #: the trainer's status file: the work dir (WORK_DIR_ENV) of node 0, known once its pod is translated
     status_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    #: /metrics of vLLM and the gateway, scraped beside the trainer's at each step
+    scrape_urls: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
@@ -177,12 +180,15 @@ class LocalBackend:
             self.say(f"starting vLLM ({self.run.spec.model.name}); this takes 30-60 s on a CPU")
             vllm_pod = procs[by["vllm"][0].name]
             servers = self._start_pod(vllm_pod)
+            self.scrape_urls = [_metrics_url(lp.ready_url) for lp in vllm_pod
+                                if lp.container != vllm.PULLER_CONTAINER and lp.ready_url]
             self.say("vLLM ready on " + ", ".join(
                 f"{_host_port(lp.ready_url)} ({lp.name})" for lp in vllm_pod))
             for pod in by["sandbox"]:
                 self._start_pod(procs[pod.name])
             for pod in by["gateway"]:
                 self._start_pod(procs[pod.name])
+                self.scrape_urls.append(_metrics_url(procs[pod.name][0].ready_url))
                 self.say(f"started {len(by['sandbox'])} sandbox server(s) behind a gateway "
                          f"on {_host_port(procs[pod.name][0].ready_url)}")
             code = self._train([procs[pod.name][0] for pod in by["trainer"]], servers, poll_s)
@@ -202,7 +208,12 @@ class LocalBackend:
         self.say(f"starting the trainer ({world} process{'es' if world > 1 else ''}); "
                  f"metrics on {nodes[0].env[BIND_HOST_ENV]}:{nodes[0].env[METRICS_PORT_ENV]}")
         trainers = [self._start(lp, wait=False) for lp in nodes]
-        last_step = -1
+        self.say("waiting for the first step (the trainer loads the model, vLLM samples the "
+                 "first rollouts)")
+        urls = [(f"http://{nodes[0].env[BIND_HOST_ENV]}:{nodes[0].env[METRICS_PORT_ENV]}"
+                "/metrics"), *self.scrape_urls]
+        self.progress_path.write_text("")
+        follower = _ProgressFollower(self, urls)
         while any(t.running for t in trainers):
             time.sleep(poll_s)
             for server in servers:
@@ -211,10 +222,8 @@ class LocalBackend:
                                         f"see {server.log_path}")
             if any(not t.running and t.proc.returncode != 0 for t in trainers):
                 break
-            status = self.trainer_status()
-            if status and status.get("step", -1) != last_step:
-                last_step = status.get("step", -1)
-                self.say(_progress_line(status))
+            follower.poll()
+        follower.poll()  # the last step, logged just before the trainer exited
         for t in trainers:  # one node failed: the others cannot go on without it
             if t.running:
                 t.stop()
@@ -260,20 +269,20 @@ class LocalBackend:
         except (OSError, ValueError):
             return None
 
+    @property
+    def progress_path(self) -> Path:
+        """One JSON record per step (`asyncgrpo.local.progress`): what `report --local` draws."""
+        return self.workdir / progress.PROGRESS_FILE
+
+    @property
+    def total_steps(self) -> int:
+        total = self.run.spec.trainer.total_steps
+        return min(total, self.max_steps) if self.max_steps else total
+
     def summary(self) -> str:
-        status = self.trainer_status() or {}
-        rewards = [h["reward"] for h in status.get("history", []) if h.get("reward") is not None]
-        versions = [p["version"] for p in status.get("published", [])]
-        shown = f"v{versions[0]}..v{versions[-1]}" if versions else "none"
-        step = status.get("step", "?")
-        lines = [f"run {self.run.metadata.name} finished: step {step}, policy versions "
-                 + f"published: {shown}"]
-        if len(rewards) >= 2:
-            k = max(1, min(5, len(rewards) // 2))
-            first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-            lines.append(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}")
-        lines.append(f"logs and trainer status in {self.workdir}")
-        return "\n".join(lines)
+        return progress.summary(self.run.metadata.name, self.trainer_status() or {},
+                                progress.load(self.progress_path), self.workdir,
+                                self.status_path.parent if self.status_path else None)
 
     def stop(self) -> None:
         while self.started:
@@ -316,6 +325,11 @@ def _host_port(url: str | None) -> str:
     return f"{u.hostname}:{u.port}"
 
 
+def _metrics_url(url: str | None) -> str:
+    """The /metrics beside a readiness probe (vLLM and the gateway serve both on one port)."""
+    return urlparse(url or "")._replace(path="/metrics", query="").geturl()
+
+
 def _weights_line(pod: str, status: dict) -> str:
     """What one replica's puller served: versions swapped in and the worst probe difference."""
     history = status.get("history") or []
@@ -327,9 +341,36 @@ def _weights_line(pod: str, status: dict) -> str:
     return f"{pod} served weights {shown}{worst}{refused}"
 
 
-def _progress_line(status: dict) -> str:
-    history = status.get("history") or [{}]
-    reward = history[-1].get("reward")
-    return (f"step {status.get('step')}: reward {reward if reward is None else round(reward, 3)}"
-            f", policy v{status.get('policy_version', 0)}")
+@dataclass
+class _ProgressFollower:
+    """Says each new step of the trainer (and once that it resumed), and keeps its record."""
 
+    backend: LocalBackend
+    urls: list[str]
+    last_step: int = -1
+    said_resumed: bool = False
+
+    def poll(self) -> None:
+        b = self.backend
+        status = b.trainer_status()
+        if not status:
+            return
+        if not self.said_resumed and (line := progress.resumed_line(status)):
+            b.say(line)
+            self.said_resumed = True
+        logged = [h for h in status.get("history") or [] if h.get("reward") is not None]
+        new = [i for i, h in enumerate(logged) if h.get("step", -1) > self.last_step]
+        if not new:
+            return
+        self.last_step = logged[-1].get("step", -1)
+        for i in new[:-1]:  # steps between two polls: their reward; the endpoint has moved on
+            rec = progress.record({"history": logged[:i + 1]}, {})
+            b.say(progress.progress_line(rec, b.total_steps))
+            progress.append(b.progress_path, rec)
+        metrics: dict[str, float] = {}
+        for url in self.urls:
+            for k, v in progress.scrape(url).items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        rec = progress.record(status, metrics)
+        b.say(progress.progress_line(rec, b.total_steps))
+        progress.append(b.progress_path, rec)

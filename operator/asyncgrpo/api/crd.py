@@ -88,10 +88,39 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _is_kube_type(node: dict[str, Any]) -> bool:
+    return str(node.get("description", "")).endswith(")") and "(Kubernetes " in str(
+        node.get("description", ""))
+
+
+def _brief(node: Any, depth: int | None = None) -> Any:
+    """Kubernetes types keep the descriptions of their own fields only: their full
+    documentation, repeated under every component's pod settings, would take the CRD past
+    the API server's object size (1.5 MB); `kubectl explain pod.spec...` has the rest."""
+    if isinstance(node, list):
+        return [_brief(n, depth) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if depth is None and _is_kube_type(node):
+        depth = 0
+    out = {}
+    for k, v in node.items():
+        if k == "description" and depth is not None and depth > 1:
+            continue
+        if k == "properties":
+            out[k] = {name: _brief(p, None if depth is None else depth + 1)
+                      for name, p in v.items()}
+        elif k in ("items", "additionalProperties") and isinstance(v, dict):
+            out[k] = _brief(v, depth)
+        else:
+            out[k] = v
+    return out
+
+
 def _schema_of(model: type) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     resolved = _resolve(raw, raw.get("$defs", {}))
-    return _structural(resolved)
+    return _brief(_structural(resolved))
 
 
 def _without_defaults(node: Any) -> Any:

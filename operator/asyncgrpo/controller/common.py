@@ -235,7 +235,7 @@ def place(run: AsyncGRPORun, component: str, pod: dict[str, Any]) -> dict[str, A
         spec["schedulerName"] = ps.scheduler_name
     if ps.image_pull_secrets:
         spec["imagePullSecrets"] = [k8s.dump(s) for s in ps.image_pull_secrets]
-    own_volumes = {v["name"] for v in spec.get("volumes", [])}
+    own_volumes = {v["name"] for v in spec.get("volumes", [])} | placement.OWNED_VOLUMES
     spec["volumes"] = spec.get("volumes", []) + [
         k8s.dump(v) for v in ps.volumes if v.name not in own_volumes]
     main = spec["containers"][0]

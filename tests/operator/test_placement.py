@@ -295,3 +295,15 @@ def test_settings_move_the_pod_hashes():
     for build in (trainer.build_statefulset, vllm.build_deployment):
         assert build(before)["metadata"]["annotations"] != build(after)["metadata"][
             "annotations"]
+
+
+def test_the_operators_gpu_resource_is_the_default_of_runs_that_name_none():
+    from asyncgrpo.controller.common import operator_defaults
+
+    doc = doc_with(trainer__gpusPerReplica=1)
+    amd = operator_defaults(parse_run(doc), "amd.com/gpu")
+    limits = pods(amd)["trainer"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["amd.com/gpu"] == 1 and "nvidia.com/gpu" not in limits
+    doc["spec"]["gpuResourceName"] = "example.com/npu"   # the run's own choice wins
+    own = operator_defaults(parse_run(doc), "amd.com/gpu")
+    assert own.spec.gpu_resource_name == "example.com/npu"

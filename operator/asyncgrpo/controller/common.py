@@ -92,6 +92,16 @@ def gpu_resource(run: AsyncGRPORun) -> str:
     return run.spec.gpu_resource_name or DEFAULT_GPU_RESOURCE
 
 
+def operator_defaults(run: AsyncGRPORun, gpu_resource_name: str) -> AsyncGRPORun:
+    """The run with the operator's defaults for what it leaves unset (the chart's
+    gpuResourceName), so every builder reads one value."""
+    if run.spec.gpu_resource_name is not None or gpu_resource_name == DEFAULT_GPU_RESOURCE:
+        return run
+    run = run.model_copy(deep=True)
+    run.spec.gpu_resource_name = gpu_resource_name
+    return run
+
+
 def resources(req: ResourceRequirements, gpus: int = 0,
               gpu: str = DEFAULT_GPU_RESOURCE) -> dict[str, Any]:
     """A container's resources; GPUs (as resource `gpu`) go to limits (and requests, as

@@ -35,6 +35,17 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     return {k: _resolve(v, defs) for k, v in node.items()}
 
 
+def _kube_marker(node: dict[str, Any]) -> str:
+    """"(Kubernetes Toleration)" at the end of a Kubernetes type's description, or ""."""
+    desc = str(node.get("description", ""))
+    start = desc.rfind("(Kubernetes ")
+    return desc[start:] if start >= 0 and desc.endswith(")") else ""
+
+
+def _is_kube_type(node: dict[str, Any]) -> bool:
+    return bool(_kube_marker(node))
+
+
 def _structural(node: dict[str, Any]) -> dict[str, Any]:
     """Translate one resolved JSON Schema node into a structural OpenAPI v3 node.
 
@@ -52,6 +63,9 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
             node["x-kubernetes-int-or-string"] = True
         elif len(options) == 1:
             inner = _structural(options[0])
+            desc = node.get("description")
+            if desc and _is_kube_type(inner):   # keep saying which Kubernetes type it is
+                node["description"] = f"{desc} {_kube_marker(inner)}"
             node = {**inner, **{k: v for k, v in node.items() if k not in ("default",)},
                     **({"default": node["default"]} if node.get("default") is not None else {})}
         else:
@@ -86,11 +100,6 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         else:  # dict[str, Any]: free-form by design
             out["x-kubernetes-preserve-unknown-fields"] = True
     return out
-
-
-def _is_kube_type(node: dict[str, Any]) -> bool:
-    return str(node.get("description", "")).endswith(")") and "(Kubernetes " in str(
-        node.get("description", ""))
 
 
 def _brief(node: Any, depth: int | None = None) -> Any:

@@ -307,3 +307,29 @@ def test_the_operators_gpu_resource_is_the_default_of_runs_that_name_none():
     doc["spec"]["gpuResourceName"] = "example.com/npu"   # the run's own choice wins
     own = operator_defaults(parse_run(doc), "amd.com/gpu")
     assert own.spec.gpu_resource_name == "example.com/npu"
+
+
+def test_the_gpu_cluster_example_places_every_pod_as_it_says():
+    from pathlib import Path
+
+    from asyncgrpo.api import load_run
+
+    run = load_run(Path(__file__).resolve().parents[2] / "examples" / "gpu-cluster.yaml")
+    run.metadata.namespace = "ns"
+    built = pods(run)
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    for component, pod in built.items():
+        spec = pod["spec"]
+        assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}], component
+        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert spec["priorityClassName"] == "training"
+        on_gpus = component in ("trainer", "vllm")
+        assert (gpu in spec.get("tolerations", [])) is on_gpus, component
+        if on_gpus:
+            assert spec["nodeSelector"] == {"pool": "gpu"}
+            assert any(m["mountPath"] == wire.HF_HOME
+                       for m in spec["containers"][0]["volumeMounts"])
+    assert built["sandbox"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+    workload = next(a for a in rbac.build_rbac(run) if a["metadata"]["name"].endswith(
+        "-workload"))
+    assert "eks.amazonaws.com/role-arn" in workload["metadata"]["annotations"]

@@ -333,3 +333,23 @@ def test_the_gpu_cluster_example_places_every_pod_as_it_says():
     workload = next(a for a in rbac.build_rbac(run) if a["metadata"]["name"].endswith(
         "-workload"))
     assert "eks.amazonaws.com/role-arn" in workload["metadata"]["annotations"]
+
+
+def test_an_unschedulable_bucket_setup_pod_says_why_the_run_waits():
+    from asyncgrpo.controller.observe import summarize
+    from asyncgrpo.controller.status import Observation, compute
+
+    pod = summarize({"kind": "Pod", "metadata": {"name": "r-bucket-setup-x", "labels": {
+        "app.kubernetes.io/component": "bucket-setup"}}, "status": {"phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                        "message": "0/1 nodes are available: 1 node(s) had untolerated "
+                                   "taint {nvidia.com/gpu: present}."}]}})
+    spec = parse_run(doc_with()).spec
+    status, events = compute(spec, Observation(generation=1, children=[pod]), {}, "T")
+    c = {x["type"]: x for x in status["conditions"]}
+    assert status["phase"] == "Pending"
+    assert c["BucketReady"]["status"] == "False"
+    assert c["BucketReady"]["reason"] == "Unschedulable"
+    assert "untolerated taint {nvidia.com/gpu: present}" in c["BucketReady"]["message"]
+    assert c["Degraded"]["reason"] == "Unschedulable"
+    assert any(e.type == "Warning" and e.reason == "Unschedulable" for e in events)

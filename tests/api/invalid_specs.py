@@ -95,8 +95,8 @@ SCHEMA_INVALID = [
      "spec.pod.nodeSelector.pool"),
     ("affinity-terms-not-list", _mutate(("spec.pod.affinity", {"nodeAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": "gpu"}}})),
-     "spec.pod.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
-     ".nodeSelectorTerms"),
+     ("spec.pod.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+      ".nodeSelectorTerms")),
     ("spread-without-max-skew", _mutate(("spec.pod.topologySpreadConstraints", [
         {"topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}])),
      "spec.pod.topologySpreadConstraints[0].maxSkew"),

@@ -49,8 +49,8 @@ def test_models_take_what_a_pod_spec_takes():
     (k8s.VolumeMount, {"name": "v"}, "mountPath"),
     (k8s.Affinity, {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpresions": []}]}}},
-     "nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0"
-     ".matchExpresions"),
+     ("nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0"
+      ".matchExpresions")),
     (k8s.TopologySpreadConstraint, {"topologyKey": "z", "whenUnsatisfiable": "DoNotSchedule"},
      "maxSkew"),
 ])

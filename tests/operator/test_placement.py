@@ -102,7 +102,7 @@ def test_component_settings_reach_every_pod_of_the_component(component):
 
 def test_run_wide_settings_reach_every_component():
     run = parse_run(doc_with(pod=SETTINGS))
-    for component, pod in pods(run).items():
+    for pod in pods(run).values():
         assert_has_settings(pod, SETTINGS)
     cleanup = bucketjob.build_job(run, bucketjob.CLEANUP, "uid", JOBS)["spec"]["template"]
     assert_has_settings(cleanup, SETTINGS)

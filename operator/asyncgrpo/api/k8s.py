@@ -25,12 +25,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from asyncgrpo.api.k8s_vendor import (  # noqa: E402
+from asyncgrpo.api.k8s_vendor import (
     _CORE,
     INT_OR_STRING,
     OBJECT_META,
     QUANTITY,
-    SOURCE_VERSION,
 )
 
 #: Marker that ends the description of every Kubernetes type (the field reference stops there).

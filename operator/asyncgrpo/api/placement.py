@@ -114,38 +114,42 @@ def owned_mount(path: str) -> bool:
                for p in OWNED_MOUNT_PATHS)
 
 
+def _at(path: str, *message: str) -> tuple[str, str]:
+    return path, "".join(message)
+
+
 def settings_conflicts(at: str, ps: PodSettings, base: PodSettings | None = None
                        ) -> Iterator[tuple[str, str]]:
     """(field path, message) for each entry of `ps` (at field path `at`) the operator owns,
     and each mount of a volume neither `ps` nor `base` (spec.pod) has."""
     for key in ps.labels:
         if owned_label(key):
-            yield (f"{at}.labels.{key}", f"{', '.join(OWNED_LABEL_PREFIXES)} labels are the "
+            yield _at(f"{at}.labels.{key}", f"{', '.join(OWNED_LABEL_PREFIXES)} labels are the "
                    "operator's (its selectors and indexes read them): choose another key")
     for key in ps.annotations:
         if owned_annotation(key):
-            yield (f"{at}.annotations.{key}", f"{', '.join(OWNED_ANNOTATION_PREFIXES)} "
+            yield _at(f"{at}.annotations.{key}", f"{', '.join(OWNED_ANNOTATION_PREFIXES)} "
                    "annotations are the operator's: choose another key")
     for i, v in enumerate(ps.volumes):
         if v.name in OWNED_VOLUMES:
-            yield (f"{at}.volumes[{i}].name", f"{v.name!r} is a volume of the operator "
+            yield _at(f"{at}.volumes[{i}].name", f"{v.name!r} is a volume of the operator "
                    f"({', '.join(sorted(OWNED_VOLUMES))}): choose another name")
     for i, m in enumerate(ps.volume_mounts):
         if owned_mount(m.mountPath):
-            yield (f"{at}.volumeMounts[{i}].mountPath", f"{m.mountPath} is at, above or under "
+            yield _at(f"{at}.volumeMounts[{i}].mountPath", f"{m.mountPath} is at, above or under "
                    f"a path the operator mounts ({', '.join(OWNED_MOUNT_PATHS)})")
         if m.name in OWNED_VOLUMES:
-            yield (f"{at}.volumeMounts[{i}].name", f"{m.name!r} is a volume of the operator: "
+            yield _at(f"{at}.volumeMounts[{i}].name", f"{m.name!r} is a volume of the operator: "
                    "mount a volume of your own")
     for i, e in enumerate(ps.env):
         if owned_env(e.name):
-            yield (f"{at}.env[{i}].name", f"{e.name} is set by the operator (ASYNCGRPO_*, the "
+            yield _at(f"{at}.env[{i}].name", f"{e.name} is set by the operator (ASYNCGRPO_*, the "
                    "bucket's AWS_* variables, HOME, HF_HOME, HF_HUB_OFFLINE): it cannot be "
                    "replaced")
     names = {v.name for v in ps.volumes + (base.volumes if base else [])}
     for i, m in enumerate(ps.volume_mounts):
         if m.name not in names and m.name not in OWNED_VOLUMES:
-            yield (f"{at}.volumeMounts[{i}].name", f"no volume {m.name!r} in {at}.volumes"
+            yield _at(f"{at}.volumeMounts[{i}].name", f"no volume {m.name!r} in {at}.volumes"
                    + ("" if base is None else " or spec.pod.volumes"))
 
 
@@ -158,12 +162,12 @@ def conflicts(spec: AsyncGRPORunSpec) -> Iterator[tuple[str, str]]:
         yield from settings_conflicts(at, component_settings(spec, component), spec.pod)
     for key in spec.service_account.annotations:
         if key.startswith("asyncgrpo.dev/"):
-            yield (f"spec.serviceAccount.annotations.{key}",
+            yield _at(f"spec.serviceAccount.annotations.{key}",
                    "asyncgrpo.dev/ annotations are the operator's: choose another key")
     cache = spec.model.cache
     if cache is not None:
         if (cache.claim_name is None) == (cache.volume is None):
-            yield ("spec.model.cache", "give exactly one of claimName, volume")
+            yield _at("spec.model.cache", "give exactly one of claimName, volume")
         if cache.volume is not None and cache.volume.name in OWNED_VOLUMES - {"model-cache"}:
-            yield ("spec.model.cache.volume.name", f"{cache.volume.name!r} is a volume of the "
+            yield _at("spec.model.cache.volume.name", f"{cache.volume.name!r} is a volume of the "
                    "operator: choose another name")

@@ -15,8 +15,8 @@ from asyncgrpo.controller import sandboxes
 from asyncgrpo.controller.common import (
     container_security,
     metadata,
-    place,
     name,
+    place,
     pod_labels,
     pod_security,
     selector,

@@ -79,8 +79,8 @@ class ResourceRequirements(Model):
     limits: dict[str, Quantity] = Field(
         max_length=32,
         default_factory=dict,
-        description="Maximum resources. GPUs go here too (nvidia.com/gpu), set by the operator "
-        "from gpusPerReplica unless given.",
+        description="Maximum resources. GPUs go here too (spec.gpuResourceName, by default "
+        "nvidia.com/gpu), set by the operator from gpusPerReplica unless given.",
     )
 
 

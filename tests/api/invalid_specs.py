@@ -83,6 +83,27 @@ SCHEMA_INVALID = [
      "spec.adapterStore.endpoint"),
     ("region-with-space", _mutate(("spec.adapterStore.region", "us east")),
      "spec.adapterStore.region"),
+    # placement (issue 24): Kubernetes' own schemas, enforced by the API server too
+    ("toleration-seconds-string", _mutate(("spec.pod.tolerations", [
+        {"key": "a", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": "60"}])),
+     "spec.pod.tolerations[0].tolerationSeconds"),
+    ("volume-without-name", _mutate(("spec.trainer.pod", {"volumes": [
+        {"persistentVolumeClaim": {"claimName": "c"}}]})), "spec.trainer.pod.volumes[0].name"),
+    ("mount-without-path", _mutate(("spec.rollout.pod", {"volumeMounts": [{"name": "x"}]})),
+     "spec.rollout.pod.volumeMounts[0].mountPath"),
+    ("node-selector-int", _mutate(("spec.pod.nodeSelector", {"pool": 1})),
+     "spec.pod.nodeSelector.pool"),
+    ("affinity-terms-not-list", _mutate(("spec.pod.affinity", {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": "gpu"}}})),
+     ("spec.pod.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+      ".nodeSelectorTerms")),
+    ("spread-without-max-skew", _mutate(("spec.pod.topologySpreadConstraints", [
+        {"topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}])),
+     "spec.pod.topologySpreadConstraints[0].maxSkew"),
+    ("gpu-resource-with-space", _mutate(("spec.gpuResourceName", "nvidia gpu")),
+     "spec.gpuResourceName"),
+    ("priority-class-uppercase", _mutate(("spec.pod.priorityClassName", "High")),
+     "spec.pod.priorityClassName"),
 ]
 
 #: Run names the API server refuses through the CRD's metadata schema and the model through
@@ -145,4 +166,38 @@ SEMANTIC_INVALID = [
      "spec.rollout.gpusPerReplica"),
     ("metrics-port-is-rendezvous", _mutate(("spec.trainer.metricsPort", 29500)),
      "spec.trainer.metricsPort"),
+    # placement (issue 24): what the operator owns cannot be replaced by pod settings
+    ("pod-label-owned", _mutate(("spec.trainer.pod", {"labels": {
+        "app.kubernetes.io/component": "x"}})),
+     "spec.trainer.pod.labels.app.kubernetes.io/component"),
+    ("pod-annotation-owned", _mutate(("spec.pod.annotations", {"asyncgrpo.dev/spec-hash": "x"})),
+     "spec.pod.annotations.asyncgrpo.dev/spec-hash"),
+    ("pod-volume-owned", _mutate(("spec.rollout.pod", {"volumes": [
+        {"name": "cache", "emptyDir": {}}]})), "spec.rollout.pod.volumes[0].name"),
+    ("pod-mount-shadows-tmp", _mutate(("spec.pod", {
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}]})),
+     "spec.pod.volumeMounts[0].mountPath"),
+    ("pod-mount-above-cache", _mutate(("spec.pod", {
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/var/cache"}]})),
+     "spec.pod.volumeMounts[0].mountPath"),
+    ("pod-mount-unknown-volume", _mutate(("spec.trainer.pod", {
+        "volumeMounts": [{"name": "nowhere", "mountPath": "/data"}]})),
+     "spec.trainer.pod.volumeMounts[0].name"),
+    ("pod-env-owned", _mutate(("spec.pod.env", [{"name": "ASYNCGRPO_ADAPTER_BUCKET",
+                                                "value": "other"}])), "spec.pod.env[0].name"),
+    ("pod-env-bucket-key", _mutate(("spec.trainer.pod", {"env": [
+        {"name": "AWS_SECRET_ACCESS_KEY", "value": "x"}]})), "spec.trainer.pod.env[0].name"),
+    ("bucket-job-label-owned", _mutate(("spec.adapterStore.bucketJobPod", {"labels": {
+        "asyncgrpo.dev/run": "other"}})),
+     "spec.adapterStore.bucketJobPod.labels.asyncgrpo.dev/run"),
+    ("gateway-volume-owned", _mutate(("spec.sandboxes", {"gatewayPod": {"volumes": [
+        {"name": "tmp", "emptyDir": {}}]}})), "spec.sandboxes.gatewayPod.volumes[0].name"),
+    ("workload-annotation-owned", _mutate(("spec.serviceAccount", {"annotations": {
+        "asyncgrpo.dev/x": "y"}})), "spec.serviceAccount.annotations.asyncgrpo.dev/x"),
+    ("model-cache-two-sources", _mutate(("spec.model.cache", {
+        "claimName": "c", "volume": {"name": "v", "emptyDir": {}}})), "spec.model.cache"),
+    ("model-cache-no-source", _mutate(("spec.model.cache", {"readOnly": True})),
+     "spec.model.cache"),
 ]

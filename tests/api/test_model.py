@@ -179,3 +179,10 @@ def test_checkpoint_identity_names_each_changed_field():
     doc = base_run()
     doc["spec"]["trainer"]["learningRate"] = 0.5   # not part of the identity
     assert immutable_errors(fixed, parse_run(doc).spec) == []
+
+
+def test_docs_show_the_gpu_cluster_example_as_it_is():
+    example = (REPO / "examples" / "gpu-cluster.yaml").read_text()
+    for page in ("api.md", "operator.md"):
+        assert example in (REPO / "docs" / page).read_text(), (
+            f"docs/{page} shows another GPU-cluster run than examples/gpu-cluster.yaml")

@@ -264,3 +264,99 @@ def test_chart_makes_runs_scrapable_both_ways():
     assert json.loads(env["ASYNCGRPO_OPERATOR_SCRAPERS"]) == [json.loads(peers)]
     job = yaml.safe_load((CHART / "files" / "prometheus-scrape.yaml").read_text())
     assert job["kubernetes_sd_configs"] == [{"role": "pod"}] and job["honor_labels"] is True
+
+
+# ---------------------------------------------------------------- wrong values (issue 24)
+
+#: (--set or --set-json value, what the error must say): each names the value.
+WRONG_VALUES = [
+    ("replicaCount=two", "/replicaCount"),
+    ("replicaCount=0", "/replicaCount"),
+    ("metrics.port=abc", "/metrics/port"),
+    ("metrics.port=70000", "/metrics/port"),
+    ("healthPort=-1", "/healthPort"),
+    ("watchNamespaces=team-a", "/watchNamespaces"),
+    ("watchNamespace=team-a", "'watchNamespace' not allowed"),
+    ("metrics.servicemonitor.enabled=true", "'servicemonitor' not allowed"),
+    ("leaderElection.enabled=yes", "/leaderElection/enabled"),
+    ("leaderElection.renewDeadlineSeconds=30", "renewDeadlineSeconds (30)"),
+    ("leaderElection.retryPeriodSeconds=10", "retryPeriodSeconds (10)"),
+    ("leaderElection.leaseDurationSeconds=10", "leaseDurationSeconds (10)"),
+    ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+    ("operator.resyncSeconds=0", "/operator/resyncSeconds"),
+    ("caps.vllmReplicas=many", "/caps/vllmReplicas"),
+    ("gpuResourceName=nvidia gpu", "/gpuResourceName"),
+    ("tolerations[0].efect=NoSchedule", "'efect' not allowed"),
+    ("webhook.certManager=true", "/webhook/certManager"),
+    ("metrics.podMonitor.interval=soon", "/metrics/podMonitor/interval"),
+    ("resources.limits.memory=lots", "/resources/limits/memory"),
+]
+
+
+@needs_helm
+@pytest.mark.parametrize("value,message", WRONG_VALUES, ids=[v for v, _ in WRONG_VALUES])
+@pytest.mark.parametrize("command", ["template", "lint"])
+def test_chart_refuses_a_wrong_value_naming_it(command, value, message):
+    args = [str(HELM), command, *(["asyncgrpo"] if command == "template" else []),
+            str(CHART), "--set", value]
+    r = subprocess.run(args, check=False, capture_output=True, text=True)
+    assert message in r.stdout + r.stderr, r.stdout + r.stderr
+    if command == "lint" and value.startswith("leaderElection.") and "Seconds" in value:
+        # helm lint turns a template's `fail` into a log line by design (it renders with
+        # stand-in values); install, upgrade and template fail on it
+        return
+    assert r.returncode != 0, f"{value} rendered:\n{r.stdout[:500]}"
+
+
+#: The overrides docs/operator.md documents; each renders and carries what it says.
+DOCUMENTED = ("gpuResourceName=amd.com/gpu", "watchNamespaces={team-a,team-b}",
+              "leaderElection.leaseDurationSeconds=30", "leaderElection.renewDeadlineSeconds=20",
+              "leaderElection.retryPeriodSeconds=4", "imagePullSecrets[0].name=registry",
+              "tolerations[0].key=dedicated", "tolerations[0].operator=Exists",
+              "nodeSelector.pool=system", "replicaCount=2")
+
+
+@needs_helm
+def test_chart_default_and_documented_overrides_render():
+    assert helm_template()
+    docs = helm_template(*DOCUMENTED)
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0][
+        "env"]}
+    assert env["ASYNCGRPO_OPERATOR_GPU_RESOURCE_NAME"] == "amd.com/gpu"
+    assert env["ASYNCGRPO_OPERATOR_LEASE_DURATION"] == "30"
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+    assert dep["spec"]["template"]["spec"]["tolerations"] == [
+        {"key": "dedicated", "operator": "Exists"}]
+
+
+def test_every_default_value_is_in_the_schema_and_every_object_is_closed():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def walk(node, value, path):
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, path
+            for key, sub in (value or {}).items():
+                assert key in node["properties"], f"{path}.{key} is not in the schema"
+                walk(node["properties"][key], sub, f"{path}.{key}")
+        else:
+            assert "type" in node or "enum" in node or "anyOf" in node, path
+
+    walk(schema, values, "values")
+
+
+@needs_helm
+@pytest.mark.cluster
+def test_documented_overrides_apply_with_server_side_dry_run(kube_cluster, api, crd_installed):
+    from kubernetes.client.exceptions import ApiException
+    for ns in ("asyncgrpo-system", "team-a", "team-b"):
+        try:
+            api.call("POST", "/api/v1/namespaces", body={
+                "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        except ApiException as e:
+            assert e.status == 409
+    out = yaml.safe_dump_all(helm_template(*DOCUMENTED))
+    r = kubectl("apply", "--dry-run=server", "--server-side", "-f", "-", stdin=out)
+    assert r.returncode == 0, r.stdout + r.stderr

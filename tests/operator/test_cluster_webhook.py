@@ -87,6 +87,15 @@ def test_webhook_refuses_cross_field_errors_at_apply(api, crd_installed, peers, 
         with pytest.raises(ApiException) as e:
             api.merge_patch("AsyncGRPORun", ns, "accepted", {"spec": {"model": {"lora": {"rank": 8}}}})
         assert e.value.status == 422 and "spec.model.lora.rank" in e.value.body
+        # pod settings that would replace what the operator owns (issue 24)
+        with pytest.raises(ApiException) as e:
+            api.merge_patch("AsyncGRPORun", ns, "accepted", {"spec": {
+                "pod": {"labels": {"asyncgrpo.dev/run": "other"}},
+                "trainer": {"pod": {"env": [{"name": "ASYNCGRPO_ADAPTER_BUCKET",
+                                             "value": "other"}]}}}})
+        assert e.value.status == 422
+        assert "spec.pod.labels.asyncgrpo.dev/run" in e.value.body
+        assert "spec.trainer.pod.env[0].name" in e.value.body
         # over the operator's caps
         flood = make_run(s3_server, ns, "flood")
         flood["spec"]["sandboxes"] = {"minWarm": 100000, "max": 100000, "hardCap": 100000}

@@ -60,3 +60,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch, delete]
 {{- end -}}
+
+{{/* Rules between values that values.schema.json cannot state; each fails with the value. */}}
+{{- define "asyncgrpo.checkValues" -}}
+{{- with .Values.leaderElection }}
+{{- if .enabled }}
+{{- $lease := float64 .leaseDurationSeconds }}
+{{- $renew := float64 .renewDeadlineSeconds }}
+{{- $retry := float64 .retryPeriodSeconds }}
+{{- if not (and (gt $lease $renew) (gt $renew $retry) (gt $retry 0.0)) }}
+{{- fail (printf "leaderElection: need leaseDurationSeconds (%v) > renewDeadlineSeconds (%v) > retryPeriodSeconds (%v) > 0 (client-go's rule; the operator would exit at start)" .leaseDurationSeconds .renewDeadlineSeconds .retryPeriodSeconds) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}

@@ -35,6 +35,17 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     return {k: _resolve(v, defs) for k, v in node.items()}
 
 
+def _kube_marker(node: dict[str, Any]) -> str:
+    """"(Kubernetes Toleration)" at the end of a Kubernetes type's description, or ""."""
+    desc = str(node.get("description", ""))
+    start = desc.rfind("(Kubernetes ")
+    return desc[start:] if start >= 0 and desc.endswith(")") else ""
+
+
+def _is_kube_type(node: dict[str, Any]) -> bool:
+    return bool(_kube_marker(node))
+
+
 def _structural(node: dict[str, Any]) -> dict[str, Any]:
     """Translate one resolved JSON Schema node into a structural OpenAPI v3 node.
 
@@ -52,6 +63,9 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
             node["x-kubernetes-int-or-string"] = True
         elif len(options) == 1:
             inner = _structural(options[0])
+            desc = node.get("description")
+            if desc and _is_kube_type(inner):   # keep saying which Kubernetes type it is
+                node["description"] = f"{desc} {_kube_marker(inner)}"
             node = {**inner, **{k: v for k, v in node.items() if k not in ("default",)},
                     **({"default": node["default"]} if node.get("default") is not None else {})}
         else:
@@ -88,10 +102,34 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _brief(node: Any, depth: int | None = None) -> Any:
+    """Kubernetes types keep the descriptions of their own fields only: their full
+    documentation, repeated under every component's pod settings, would take the CRD past
+    the API server's object size (1.5 MB); `kubectl explain pod.spec...` has the rest."""
+    if isinstance(node, list):
+        return [_brief(n, depth) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if depth is None and _is_kube_type(node):
+        depth = 0
+    out = {}
+    for k, v in node.items():
+        if k == "description" and depth is not None and depth > 1:
+            continue
+        if k == "properties":
+            out[k] = {name: _brief(p, None if depth is None else depth + 1)
+                      for name, p in v.items()}
+        elif k in ("items", "additionalProperties") and isinstance(v, dict):
+            out[k] = _brief(v, depth)
+        else:
+            out[k] = v
+    return out
+
+
 def _schema_of(model: type) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     resolved = _resolve(raw, raw.get("$defs", {}))
-    return _structural(resolved)
+    return _brief(_structural(resolved))
 
 
 def _without_defaults(node: Any) -> Any:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from asyncgrpo.api.crd import openapi_schema
+from asyncgrpo.api.crd import _is_kube_type, _kube_marker, openapi_schema
 
 
 def _type_of(node: dict[str, Any]) -> str:
     if node.get("x-kubernetes-int-or-string"):
         return "int or string"
     t = node.get("type", "")
+    if t == "object" and _is_kube_type(node):   # "(Kubernetes Toleration)"
+        return "core/v1." + _kube_marker(node)[len("(Kubernetes "):-1]
     if t == "array":
         return f"[]{_type_of(node.get('items', {}))}"
     if t == "object" and isinstance(node.get("additionalProperties"), dict):
@@ -46,7 +48,8 @@ def _rows(node: dict[str, Any], path: str, required: set[str]) -> list[str]:
         rows.append(f"| `{here}` | {_type_of(prop)} | {default_s} | "
                     f"{_rules(prop).replace('|', chr(92) + '|')} | {desc} |")
         target = prop.get("items", prop) if prop.get("type") == "array" else prop
-        if target.get("properties"):
+        # Kubernetes' own types (Toleration, Volume...) are documented by Kubernetes
+        if target.get("properties") and not _is_kube_type(target):
             suffix = "[]" if prop.get("type") == "array" else ""
             rows += _rows(target, here + suffix, set(target.get("required", [])))
     return rows

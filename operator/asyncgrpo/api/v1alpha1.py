@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from asyncgrpo import API_GROUP, API_VERSION, KIND
+from asyncgrpo.api import k8s
 from asyncgrpo.api.layout import PREFIX_PATTERN
 
 #: A Kubernetes resource quantity: "500m", "16Gi", 2.
@@ -78,21 +79,13 @@ class ResourceRequirements(Model):
     limits: dict[str, Quantity] = Field(
         max_length=32,
         default_factory=dict,
-        description="Maximum resources. GPUs go here too (nvidia.com/gpu), set by the operator "
-        "from gpusPerReplica unless given.",
+        description="Maximum resources. GPUs go here too (spec.gpuResourceName, by default "
+        "nvidia.com/gpu), set by the operator from gpusPerReplica unless given.",
     )
 
 
-class EnvVar(Model):
-    """An environment variable for the container (plain value or valueFrom, as in a Pod spec)."""
-
-    name: str = Field(min_length=1, description="Variable name.")
-    value: str | None = Field(default=None, description="Literal value.")
-    value_from: dict[str, Any] | None = Field(
-        max_length=4,
-        default=None,
-        description="Source of the value (secretKeyRef, configMapKeyRef, fieldRef), as in a Pod.",
-    )
+#: An environment variable, Kubernetes' own EnvVar (name, value or valueFrom).
+EnvVar = k8s.EnvVar
 
 
 class SecretKeyRef(Model):
@@ -105,6 +98,116 @@ class SecretKeyRef(Model):
     secret_access_key_key: str = Field(
         default="AWS_SECRET_ACCESS_KEY", description="Key holding the secret access key."
     )
+
+
+
+# ---------------------------------------------------------------- pod settings (placement)
+
+#: GPU resource requested when a spec asks for GPUs and names none (per run:
+#: spec.gpuResourceName; per operator: the chart's gpuResourceName).
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+#: A resource name such as nvidia.com/gpu or amd.com/gpu (a qualified name).
+RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+_OWNED = (" The operator's own entries win and cannot be replaced: a conflicting entry is "
+          "refused by `asyncgrpo validate` and the admission webhook with its field path.")
+
+
+class PodSettings(Model):
+    """Where and how a component's pods run, in Kubernetes' own types: one shape for every
+    component. spec.pod applies to every pod of the run; a component's pod settings
+    (spec.trainer.pod, spec.rollout.pod, spec.sandboxes.pod, spec.sandboxes.gatewayPod,
+    spec.adapterStore.bucketJobPod) are merged over it field by field, the component
+    winning. Security settings (securityContext, the service account, token mounts) are the
+    operator's and are not part of this shape."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=64,
+        description="Node labels the pods require. Merged by key: the component's value wins.")
+    tolerations: list[k8s.Toleration] = Field(
+        default_factory=list, max_length=64,
+        description="Taints the pods tolerate. Appended: the run-wide list, then the "
+        "component's. A pod that requests GPUs also tolerates `<gpuResourceName>:NoSchedule` "
+        "(Exists) unless gpuToleration is false or a toleration for that key is given.")
+    gpu_toleration: bool | None = Field(
+        default=None,
+        description="Add the GPU pool's NoSchedule toleration to pods that request GPUs "
+        "(managed clusters taint GPU nodes so). Unset: inherited, true by default.")
+    affinity: k8s.Affinity | None = Field(
+        default=None, description="Node and pod (anti-)affinity. Replaced whole: a "
+        "component's affinity replaces the run-wide one.")
+    topology_spread_constraints: list[k8s.TopologySpreadConstraint] = Field(
+        default_factory=list, max_length=16,
+        description="How the pods spread over zones or nodes. Replaced whole: a component's "
+        "non-empty list replaces the run-wide one.")
+    priority_class_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="PriorityClass of the pods; the component's wins.")
+    scheduler_name: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="Scheduler of the pods (e.g. volcano); the component's wins.")
+    image_pull_secrets: list[k8s.LocalObjectReference] = Field(
+        default_factory=list, max_length=16,
+        description="Secrets to pull the images with. Appended (run-wide, then the "
+        "component's; a name given twice once). The run-wide list also goes on every "
+        "ServiceAccount the operator makes for the run.")
+    labels: dict[str, str] = Field(
+        default_factory=dict, max_length=64,
+        description="Extra pod labels, e.g. kueue.x-k8s.io/queue-name. Merged by key: the "
+        "component's value wins. The app.kubernetes.io/* and asyncgrpo.dev/* labels are the "
+        "operator's." + _OWNED)
+    annotations: dict[str, str] = Field(
+        default_factory=dict, max_length=64,
+        description="Extra pod annotations. Merged by key: the component's value wins. "
+        "asyncgrpo.dev/* and prometheus.io/* annotations are the operator's." + _OWNED)
+    volumes: list[k8s.Volume] = Field(
+        default_factory=list, max_length=32,
+        description="Extra volumes. Merged by name: a component's volume replaces a run-wide "
+        "one of the same name. The operator's volumes (config, tmp, dshm, work, cache, "
+        "data, weights, workspace, model cache) keep their names." + _OWNED)
+    volume_mounts: list[k8s.VolumeMount] = Field(
+        default_factory=list, max_length=32,
+        description="Mounts of extra volumes in the component's main container. Merged by "
+        "mountPath: the component's wins. A path at or under one the operator mounts is "
+        "refused." + _OWNED)
+    env: list[k8s.EnvVar] = Field(
+        default_factory=list, max_length=128,
+        description="Extra environment variables of the main container. Merged by name: the "
+        "component's wins (spec.trainer.env and spec.rollout.env win over both). Variables "
+        "the operator sets for the component to work (ASYNCGRPO_*, the rendezvous, the "
+        "bucket's AWS_* and the gateway tokens) cannot be replaced." + _OWNED)
+
+
+class WorkloadServiceAccountSpec(Model):
+    """The run's workload ServiceAccount `<run>-workload` (trainer, vLLM, bucket Jobs)."""
+
+    annotations: dict[str, str] = Field(
+        default_factory=dict, max_length=32,
+        description="Annotations of `<run>-workload`, for cloud workload identity: "
+        "eks.amazonaws.com/role-arn (EKS IRSA), iam.gke.io/gcp-service-account (GKE), "
+        "azure.workload.identity/client-id (AKS). asyncgrpo.dev/* annotations are the "
+        "operator's." + _OWNED)
+
+
+class ModelCacheSpec(Model):
+    """A volume mounted at the Hugging Face cache (HF_HOME) of the trainer and vLLM pods, so a
+    model is downloaded once, not by every pod at every start. Give claimName or volume.
+
+    ReadWriteMany (NFS, EFS, Filestore, CephFS): the first pod downloads, the others wait on
+    the hub's file locks in the cache and read what it wrote. ReadOnlyMany (a disk filled
+    once by a Job, a snapshot): set readOnly; the pods then run with HF_HUB_OFFLINE=1 and
+    fail at once on a model the cache lacks."""
+
+    claim_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="A PersistentVolumeClaim in the run's namespace.")
+    volume: k8s.Volume | None = Field(
+        default=None, description="Any volume instead of a claim (its name is used as is).")
+    read_only: bool = Field(
+        default=False, description="Mount read-only and run offline (HF_HUB_OFFLINE=1): "
+        "the cache must hold the model already.")
+    sub_path: str | None = Field(
+        default=None, min_length=1, max_length=1024, pattern=r"^[^/].*$",
+        description="A folder of the volume to mount instead of its root.")
 
 
 # ---------------------------------------------------------------- model
@@ -169,6 +272,9 @@ class ModelSpec(Model):
     lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings (finetuning=lora).")
     full: FullFinetuningSpec = Field(default_factory=FullFinetuningSpec,
                                      description="Full fine-tuning settings (finetuning=full).")
+    cache: ModelCacheSpec | None = Field(
+        default=None, description="A volume (a PVC) holding the Hugging Face cache of the "
+        "trainer and vLLM pods; unset: an emptyDir, so each pod downloads the model.")
 
 
 # ---------------------------------------------------------------- trainer
@@ -244,6 +350,9 @@ class TrainerSpec(Model):
     )
     env: list[EnvVar] = Field(default_factory=list, max_length=128,
                               description="Extra environment variables.")
+    pod: PodSettings = Field(default_factory=PodSettings,
+                             description="Placement and extras of the trainer pods, over "
+                             "spec.pod.")
 
 
 # ---------------------------------------------------------------- rollout (vLLM)
@@ -293,6 +402,8 @@ class RolloutSpec(Model):
                                   description="Extra vLLM server arguments, appended as given.")
     env: list[EnvVar] = Field(default_factory=list, max_length=128,
                               description="Extra environment variables.")
+    pod: PodSettings = Field(default_factory=PodSettings,
+                             description="Placement and extras of the vLLM pods, over spec.pod.")
 
 
 # ---------------------------------------------------------------- sandboxes
@@ -338,6 +449,12 @@ class SandboxSpec(Model):
     )
     network: SandboxNetworkSpec = Field(default_factory=SandboxNetworkSpec,
                                         description="Sandbox egress allow-list.")
+    pod: PodSettings = Field(default_factory=PodSettings,
+                             description="Placement and extras of the sandbox pods, over "
+                             "spec.pod.")
+    gateway_pod: PodSettings = Field(default_factory=PodSettings,
+                                     description="Placement and extras of the sandbox "
+                                     "gateway's pod, over spec.pod.")
 
 
 # ---------------------------------------------------------------- adapter store
@@ -372,6 +489,10 @@ class AdapterStoreSpec(Model):
         default="Retain",
         description="On run deletion: Retain keeps the run's objects, Delete removes them.",
     )
+    bucket_job_pod: PodSettings = Field(
+        default_factory=PodSettings,
+        description="Placement and extras of the bucket setup and cleanup Jobs' pods, over "
+        "spec.pod.")
 
 
 # ---------------------------------------------------------------- data, reward, harness
@@ -459,6 +580,19 @@ class AsyncGRPORunSpec(Model):
         default=None, ge=0,
         description="Delete the run this long after it Succeeded or Failed.",
     )
+    pod: PodSettings = Field(
+        default_factory=PodSettings,
+        description="Placement and extras of every pod of the run (nodeSelector, "
+        "tolerations, imagePullSecrets, labels...); each component's pod settings are merged "
+        "over these.")
+    gpu_resource_name: str | None = Field(
+        default=None, max_length=253, pattern=RESOURCE_NAME,
+        description="Extended resource the trainer and vLLM request GPUs as, e.g. "
+        "amd.com/gpu. Unset: the operator's default (Helm value gpuResourceName, "
+        "nvidia.com/gpu).")
+    service_account: WorkloadServiceAccountSpec = Field(
+        default_factory=WorkloadServiceAccountSpec,
+        description="The run's workload ServiceAccount (cloud identity for the bucket).")
 
 
 class Condition(StatusModel):

@@ -21,6 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from asyncgrpo import API_GROUP, KIND
+from asyncgrpo.api.placement import conflicts
 from asyncgrpo.api.v1alpha1 import (
     MAX_RUN_NAME,
     RUN_NAME,
@@ -87,7 +88,14 @@ def schema_errors(err: ValidationError, data: Any) -> list[FieldError]:
 def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
     """Rules between fields, in four groups. Each message says what to change."""
     return [*_naming_and_logging(run), *_model_and_parallelism(run),
-            *_data_and_rewards(run.spec), *_harness_and_sandboxes(run.spec)]
+            *_data_and_rewards(run.spec), *_harness_and_sandboxes(run.spec),
+            *_placement(run.spec)]
+
+
+def _placement(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
+    """Pod settings that would replace what the operator owns (`asyncgrpo.api.placement`)."""
+    for path, message in conflicts(s):
+        yield FieldError(path, message)
 
 
 def _naming_and_logging(run: AsyncGRPORun) -> Iterator[FieldError]:

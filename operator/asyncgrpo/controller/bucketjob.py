@@ -31,6 +31,7 @@ from asyncgrpo.controller.common import (
     container_security,
     metadata,
     name,
+    place,
     pod_labels,
     pod_security,
     stamp,
@@ -111,7 +112,7 @@ def build_job(run: AsyncGRPORun, component: str, uid: str, js: JobSettings) -> d
         "kind": "Job",
         "metadata": metadata(run, component, job_name(run, component)),
         "spec": {"backoffLimit": 0, "activeDeadlineSeconds": js.deadline_seconds,
-                 "template": pod},
+                 "template": place(run, "bucket", pod)},
     }
     return stamp(job)
 

@@ -79,6 +79,9 @@ def register(subparsers) -> None:
     p.add_argument("--bucket-recheck-seconds", type=float,
                    default=float(_env("BUCKET_RECHECK_SECONDS", "600") or 600),
                    help="seconds between re-runs of a run's bucket setup Job")
+    p.add_argument("--gpu-resource-name", default=_env("GPU_RESOURCE_NAME", "nvidia.com/gpu"),
+                   help="extended resource GPUs are requested as by runs that name none "
+                        "(spec.gpuResourceName), e.g. amd.com/gpu")
     p.add_argument("--cleanup-timeout", type=float,
                    default=float(_env("CLEANUP_TIMEOUT_SECONDS", "600") or 600),
                    help="seconds a deleted run's bucket cleanup may take before it is given "
@@ -145,6 +148,7 @@ def run_operator(args: argparse.Namespace) -> int:
     settings.allowed_endpoints = [e.strip() for e in args.allowed_endpoints.split(",")
                                   if e.strip()]
     settings.cleanup_timeout_seconds = args.cleanup_timeout
+    settings.gpu_resource_name = args.gpu_resource_name
     if args.bucket_job_image:
         settings.bucket_job_image = args.bucket_job_image
     settings.bucket_job_pull_policy = args.bucket_job_pull_policy

@@ -14,7 +14,14 @@ import json
 from typing import Any
 
 from asyncgrpo import API_GROUP, __version__, wire
-from asyncgrpo.api.v1alpha1 import AsyncGRPORun, EnvVar, ResourceRequirements
+from asyncgrpo.api import k8s, placement
+from asyncgrpo.api.v1alpha1 import (
+    DEFAULT_GPU_RESOURCE,
+    AsyncGRPORun,
+    EnvVar,
+    PodSettings,
+    ResourceRequirements,
+)
 
 MANAGED_BY = "asyncgrpo-operator"
 RUN_LABEL = f"{API_GROUP}/run"
@@ -80,15 +87,32 @@ def stamp(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def resources(req: ResourceRequirements, gpus: int = 0) -> dict[str, Any]:
-    """A container's resources; GPUs go to limits (and requests, as Kubernetes requires)."""
+def gpu_resource(run: AsyncGRPORun) -> str:
+    """The extended resource GPUs are requested as (the operator fills its default in)."""
+    return run.spec.gpu_resource_name or DEFAULT_GPU_RESOURCE
+
+
+def operator_defaults(run: AsyncGRPORun, gpu_resource_name: str) -> AsyncGRPORun:
+    """The run with the operator's defaults for what it leaves unset (the chart's
+    gpuResourceName), so every builder reads one value."""
+    if run.spec.gpu_resource_name is not None or gpu_resource_name == DEFAULT_GPU_RESOURCE:
+        return run
+    run = run.model_copy(deep=True)
+    run.spec.gpu_resource_name = gpu_resource_name
+    return run
+
+
+def resources(req: ResourceRequirements, gpus: int = 0,
+              gpu: str = DEFAULT_GPU_RESOURCE) -> dict[str, Any]:
+    """A container's resources; GPUs (as resource `gpu`) go to limits (and requests, as
+    Kubernetes requires)."""
     out: dict[str, Any] = {}
     requests = {k: v for k, v in req.requests.items()}
     limits = {k: v for k, v in req.limits.items()}
-    if gpus and "nvidia.com/gpu" not in limits:
-        limits["nvidia.com/gpu"] = gpus
-    if "nvidia.com/gpu" in limits:
-        requests.setdefault("nvidia.com/gpu", limits["nvidia.com/gpu"])
+    if gpus and gpu not in limits:
+        limits[gpu] = gpus
+    if gpu in limits:
+        requests.setdefault(gpu, limits[gpu])
     if requests:
         out["requests"] = requests
     if limits:
@@ -97,7 +121,7 @@ def resources(req: ResourceRequirements, gpus: int = 0) -> dict[str, Any]:
 
 
 def env_list(extra: list[EnvVar]) -> list[dict[str, Any]]:
-    return [e.model_dump(by_alias=True, exclude_none=True) for e in extra]
+    return [k8s.dump(e) for e in extra]
 
 
 def merge_env(base: list[dict[str, Any]], extra: list[EnvVar]) -> list[dict[str, Any]]:
@@ -173,3 +197,87 @@ def service(run: AsyncGRPORun, component: str, ports: list[dict[str, Any]],
         spec |= {"clusterIP": "None", "publishNotReadyAddresses": True}
     return stamp({"apiVersion": "v1", "kind": "Service",
                   "metadata": metadata(run, component), "spec": spec})
+
+
+# ---------------------------------------------------------------- pod settings (placement)
+
+
+def gpu_toleration(resource: str) -> dict[str, Any]:
+    """What managed clusters taint GPU pools with (`<resource>=present:NoSchedule` on GKE and
+    EKS): tolerated with Exists, whatever the value."""
+    return {"key": resource, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def _requests_gpu(pod_spec: dict[str, Any], resource: str) -> bool:
+    return any(resource in (c.get("resources", {}).get("limits") or {})
+               for c in pod_spec.get("containers", []))
+
+
+def place(run: AsyncGRPORun, component: str, pod: dict[str, Any]) -> dict[str, Any]:
+    """Apply the run's merged pod settings for `component` to a pod (template) in place:
+    `{"metadata": ..., "spec": ...}`, main container first. The operator's labels,
+    annotations, volumes, mounts and variables win over the user's (validation refuses the
+    conflict first, `asyncgrpo.api.placement.conflicts`); security settings are untouched."""
+    ps: PodSettings = placement.merged(run.spec, component)
+    meta, spec = pod.setdefault("metadata", {}), pod["spec"]
+    labels = {k: v for k, v in ps.labels.items() if not placement.owned_label(k)}
+    meta["labels"] = {**labels, **meta.get("labels", {})}
+    notes = {k: v for k, v in ps.annotations.items() if not placement.owned_annotation(k)}
+    if notes or meta.get("annotations"):
+        meta["annotations"] = {**notes, **meta.get("annotations", {})}
+    if ps.node_selector:
+        spec["nodeSelector"] = dict(ps.node_selector)
+    tolerations = [k8s.dump(t) for t in ps.tolerations]
+    gpu = gpu_resource(run)
+    if (ps.gpu_toleration is not False and _requests_gpu(spec, gpu)
+            and not any(t.get("key") == gpu for t in tolerations)):
+        tolerations.append(gpu_toleration(gpu))
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if ps.affinity is not None:
+        spec["affinity"] = k8s.dump(ps.affinity)
+    if ps.topology_spread_constraints:
+        spec["topologySpreadConstraints"] = [k8s.dump(t)
+                                             for t in ps.topology_spread_constraints]
+    if ps.priority_class_name:
+        spec["priorityClassName"] = ps.priority_class_name
+    if ps.scheduler_name:
+        spec["schedulerName"] = ps.scheduler_name
+    if ps.image_pull_secrets:
+        spec["imagePullSecrets"] = [k8s.dump(s) for s in ps.image_pull_secrets]
+    own_volumes = {v["name"] for v in spec.get("volumes", [])} | placement.OWNED_VOLUMES
+    spec["volumes"] = spec.get("volumes", []) + [
+        k8s.dump(v) for v in ps.volumes if v.name not in own_volumes]
+    main = spec["containers"][0]
+    mounts = main.get("volumeMounts", [])
+    main["volumeMounts"] = mounts + [
+        k8s.dump(m) for m in ps.volume_mounts
+        if not placement.owned_mount(m.mountPath) and m.name not in own_volumes]
+    names = {e["name"] for e in main.get("env", [])}
+    main["env"] = main.get("env", []) + [
+        k8s.dump(e) for e in ps.env if e.name not in names and not placement.owned_env(e.name)]
+    return pod
+
+
+def image_pull_secrets(run: AsyncGRPORun) -> list[dict[str, Any]]:
+    """The run-wide pull secrets, for the ServiceAccounts the operator makes."""
+    return [k8s.dump(s) for s in run.spec.pod.image_pull_secrets]
+
+
+def model_cache(run: AsyncGRPORun) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]
+                                            ] | None:
+    """spec.model.cache as (volume, mount at HF_HOME, extra env), or None."""
+    cache = run.spec.model.cache
+    if cache is None:
+        return None
+    if cache.volume is not None:
+        volume = k8s.dump(cache.volume)
+    else:
+        volume = {"name": "model-cache", "persistentVolumeClaim": {
+            "claimName": cache.claim_name, **({"readOnly": True} if cache.read_only else {})}}
+    mount = {"name": volume["name"], "mountPath": wire.HF_HOME,
+             **({"readOnly": True} if cache.read_only else {}),
+             **({"subPath": cache.sub_path} if cache.sub_path else {})}
+    # read-only: never try to download (or to write the hub's lock files) into it
+    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}] if cache.read_only else []
+    return volume, mount, env

@@ -16,6 +16,7 @@ from asyncgrpo.controller.common import (
     container_security,
     metadata,
     name,
+    place,
     pod_labels,
     pod_security,
     selector,
@@ -74,7 +75,7 @@ def build_deployment(run: AsyncGRPORun, replicas: int = 1) -> dict[str, Any]:
             "replicas": replicas,  # leases live in memory: one gateway per run
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector(run, COMPONENT)},
-            "template": {
+            "template": place(run, COMPONENT, {
                 "metadata": {"labels": pod_labels(run, COMPONENT),
                              "annotations": scrape_annotations(wire.GATEWAY_PORT)},
                 "spec": {
@@ -84,6 +85,6 @@ def build_deployment(run: AsyncGRPORun, replicas: int = 1) -> dict[str, Any]:
                     "containers": [container],
                     "volumes": [tmp_volume()],
                 },
-            },
+            }),
         },
     })

@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import gateway, sandboxes
-from asyncgrpo.controller.common import metadata, name, stamp
+from asyncgrpo.controller.common import image_pull_secrets, metadata, name, stamp
 
 WORKLOAD = "workload"
 #: Holds `<run>-workload` until the bucket cleanup Job, which runs as it, is done: a
@@ -27,18 +27,28 @@ CLEANUP_FINALIZER = "asyncgrpo.dev/bucket-cleanup"
 
 
 def _account(run: AsyncGRPORun, component: str, automount: bool,
-             finalizers: list[str] | None = None) -> dict[str, Any]:
+             finalizers: list[str] | None = None,
+             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """One ServiceAccount; every one carries the run-wide imagePullSecrets (spec.pod)."""
     meta = metadata(run, component)
     if finalizers is not None:
         meta["finalizers"] = finalizers
-    return stamp({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta,
-                  "automountServiceAccountToken": automount})
+    if annotations:
+        meta["annotations"] = {k: v for k, v in annotations.items()
+                               if not k.startswith("asyncgrpo.dev/")}
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta,
+               "automountServiceAccountToken": automount}
+    if secrets := image_pull_secrets(run):
+        account["imagePullSecrets"] = secrets
+    return stamp(account)
 
 
 def build_rbac(run: AsyncGRPORun) -> list[dict[str, Any]]:
     # an empty list rather than none: the merge patch then drops it when the policy changes
     holds = [CLEANUP_FINALIZER] if run.spec.adapter_store.deletion_policy == "Delete" else []
-    out = [_account(run, WORKLOAD, automount=False, finalizers=holds)]
+    # spec.serviceAccount.annotations: cloud identity (IRSA, GKE workload identity)
+    out = [_account(run, WORKLOAD, automount=False, finalizers=holds,
+                    annotations=run.spec.service_account.annotations)]
     if run.spec.sandboxes is None:
         return out
     gw = name(run, gateway.COMPONENT)

@@ -32,7 +32,7 @@ from asyncgrpo.api.validation import (
 from asyncgrpo.controller import bucket, bucketjob, pool, progress, sandboxes, secret, served
 from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
-from asyncgrpo.controller.common import HASH_ANNOTATION
+from asyncgrpo.controller.common import HASH_ANNOTATION, operator_defaults
 from asyncgrpo.controller.observe import STUCK_REASONS, Child, workload
 from asyncgrpo.controller.runtime import RunState, Runtime
 from asyncgrpo.controller.status import TERMINAL, Observation, Transition, compute
@@ -163,6 +163,7 @@ def check_run(rt: Runtime, body: dict[str, Any], fixed_identity: str | None = No
     run, errors = validate_run(run_document(body))
     if run is None or errors:
         return run, errors, "InvalidSpec"
+    run = operator_defaults(run, rt.settings.gpu_resource_name)
     if fixed_identity and (errors := immutable_errors(fixed_identity, run.spec)):
         return run, errors, "ImmutableFieldChanged"
     if errors := cap_errors(run, rt.settings.caps):

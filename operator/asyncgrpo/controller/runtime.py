@@ -90,6 +90,8 @@ class Settings:
     #: Operator-wide limits a run may not exceed (Helm values caps.*): checked by validation
     #: (webhook and reconcile, reported as InvalidSpec), and the pool never creates past them.
     caps: Caps = field(default_factory=Caps)
+    #: GPU resource of runs that name none (spec.gpuResourceName; Helm value gpuResourceName).
+    gpu_resource_name: str = "nvidia.com/gpu"
 
 
 @dataclass

@@ -17,6 +17,7 @@ from asyncgrpo.controller.common import (
     container_security,
     metadata,
     name,
+    place,
     pod_labels,
     pod_security,
     resources,
@@ -85,8 +86,9 @@ def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:
         spec["runtimeClassName"] = sb.runtime_class_name
     meta = metadata(run, COMPONENT, pod_name(run, suffix))
     meta["labels"] = pod_labels(run, COMPONENT)
+    place(run, COMPONENT, {"metadata": meta, "spec": spec})  # spec.pod, spec.sandboxes.pod
     # the hash covers the spec only, so every pod of one template shares it
-    meta["annotations"] = {HASH_ANNOTATION: template_hash(spec)}
+    meta["annotations"] = {**meta.get("annotations", {}), HASH_ANNOTATION: template_hash(spec)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 

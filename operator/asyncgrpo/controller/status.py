@@ -203,6 +203,9 @@ def _bucket_condition(spec: AsyncGRPORunSpec, obs: Observation,
         return _cond("BucketReady", ok, prev.get("reason", ""), prev.get("message", "")), \
             ok is not True
     if not obs.bucket_checked:
+        if (stuck := _unschedulable_setup_pod(obs.children)) is not None:
+            return _cond("BucketReady", False, "Unschedulable", "the bucket setup Job's pod "
+                         f"{stuck.name} cannot be scheduled: {stuck.problem_message}"), True
         return _cond("BucketReady", None, "Checking", "the bucket setup Job "
                      "has not finished yet"), True
     if obs.bucket_error is not None:
@@ -210,6 +213,14 @@ def _bucket_condition(spec: AsyncGRPORunSpec, obs: Observation,
                      obs.bucket_error.message), False
     return _cond("BucketReady", True, "BucketReady", f"bucket {spec.adapter_store.bucket!r} "
                  "is set up and the run folder is the run's"), False
+
+
+def _unschedulable_setup_pod(children: list[Child]) -> Child | None:
+    """The setup Job's pod the scheduler refuses (a taint it does not tolerate, a
+    nodeSelector no node matches): the run waits on it, so BucketReady says why, with the
+    scheduler's message, instead of "not finished yet" until the Job's deadline."""
+    return next((c for c in children if c.kind == "Pod" and c.component == "bucket-setup"
+                 and c.problem == "Unschedulable" and not c.deleting), None)
 
 
 def _observed_fields(spec: AsyncGRPORunSpec | None, obs: Observation) -> dict[str, Any]:

@@ -18,9 +18,12 @@ from asyncgrpo.controller import configmap
 from asyncgrpo.controller.common import (
     bucket_env,
     container_security,
+    gpu_resource,
     merge_env,
     metadata,
+    model_cache,
     name,
+    place,
     pod_labels,
     pod_security,
     resources,
@@ -127,7 +130,7 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
         "env": merge_env(trainer_env(run), t.env),
         "ports": [{"name": "rendezvous", "containerPort": wire.TRAINER_RENDEZVOUS_PORT},
                   {"name": "metrics", "containerPort": t.metrics_port}],
-        "resources": resources(t.resources, t.gpus_per_replica),
+        "resources": resources(t.resources, t.gpus_per_replica, gpu_resource(run)),
         "securityContext": container_security(),
         "volumeMounts": volume_mounts,
         # the loggers' settings and credentials (spec.trainer.reportToSecret) reach the
@@ -138,6 +141,11 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"},
                            "periodSeconds": 5},
     }
+    if (cache := model_cache(run)) is not None:
+        volume, mount, env = cache
+        volumes.append(volume)
+        volume_mounts.append(mount)
+        container["env"] = container["env"] + env
     pod = {
         "metadata": {"labels": pod_labels(run, COMPONENT),
                      # every rank's pod is scraped: rank 0 reports training, the others
@@ -161,6 +169,6 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
             "serviceName": name(run, COMPONENT),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(run, COMPONENT)},
-            "template": pod,
+            "template": place(run, COMPONENT, pod),
         },
     })

@@ -21,9 +21,12 @@ from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller.common import (
     bucket_env,
     container_security,
+    gpu_resource,
     merge_env,
     metadata,
+    model_cache,
     name,
+    place,
     pod_labels,
     pod_security,
     resources,
@@ -119,7 +122,8 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
         "env": merge_env(server_env(run), r.env),
         "ports": [{"name": "http", "containerPort": VLLM_PORT}],
         "resources": resources(r.resources, r.tensor_parallel_size
-                               if r.gpus_per_replica is None else r.gpus_per_replica),
+                               if r.gpus_per_replica is None else r.gpus_per_replica,
+                               gpu_resource(run)),
         "securityContext": container_security(),
         # model loading takes minutes; the startup probe keeps liveness out of the way
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
@@ -141,6 +145,11 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
         containers.append(puller_container(run))
         size = None if full.local_disk is None else str(full.local_disk)
         volumes.append(tmp_volume("weights", size=size))
+    if (cache := model_cache(run)) is not None:
+        volume, mount, env = cache
+        volumes.append(volume)
+        container["volumeMounts"].append(mount)
+        container["env"] = container["env"] + env
     return stamp({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -148,7 +157,7 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
         "spec": {
             "replicas": r.replicas if replicas is None else replicas,
             "selector": {"matchLabels": selector(run, COMPONENT)},
-            "template": {
+            "template": place(run, COMPONENT, {
                 # vLLM's own /metrics (vllm:*) on its API port
                 "metadata": {"labels": pod_labels(run, COMPONENT),
                              "annotations": scrape_annotations(VLLM_PORT)},
@@ -159,6 +168,6 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
                     "containers": containers,
                     "volumes": volumes,
                 },
-            },
+            }),
         },
     })

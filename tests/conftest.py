@@ -90,10 +90,16 @@ def kube_dynamic(kube_client):
 
 @pytest.fixture(scope="session")
 def crd_installed(kube_dynamic):
-    """The AsyncGRPORun CRD from crds/, installed and Established."""
-    from asyncgrpo.testing.kube import install_crd
+    """The AsyncGRPORun CRD from crds/, installed and Established, and known to the garbage
+    collector (a run's children are collected through their owner references)."""
+    import yaml
+
+    from asyncgrpo.testing.kube import install_crd, wait_garbage_collected_owner
 
     install_crd(kube_dynamic, REPO / "crds" / "asyncgrpo.dev_asyncgrporuns.yaml")
+    probe = yaml.safe_load((REPO / "examples" / "local-tiny.yaml").read_text())
+    probe["metadata"] = {"name": "gc-probe", "namespace": "default"}
+    wait_garbage_collected_owner(kube_dynamic, probe)
     return kube_dynamic.resources.get(api_version="asyncgrpo.dev/v1alpha1", kind="AsyncGRPORun")
 
 

@@ -106,6 +106,40 @@ def install_crd(dynamic_client, path: Path, timeout: float = 30.0) -> None:
     raise TimeoutError(f"CRD {name} not Established after {timeout}s")
 
 
+def wait_garbage_collected_owner(dynamic_client, owner: dict, timeout: float = 180.0) -> float:
+    """Create `owner` (a custom object) with a ConfigMap it owns, delete the owner and wait until
+    the controller-manager's garbage collector has collected the ConfigMap; returns the seconds.
+
+    The collector learns a new kind from discovery on its own resync (every 30 s) and only then
+    collects that kind's dependents; a large CRD takes longer to reach it. Tests that wait for
+    collection with their own short deadlines start once this has passed, instead of racing it.
+    """
+    api_version, kind = owner["apiVersion"], owner["kind"]
+    ns = owner["metadata"]["namespace"]
+    owners = dynamic_client.resources.get(api_version=api_version, kind=kind)
+    cms = dynamic_client.resources.get(api_version="v1", kind="ConfigMap")
+    t0 = time.monotonic()
+    created = owners.create(body=owner, namespace=ns)
+    name = f"{owner['metadata']['name']}-dependent"
+    cms.create(namespace=ns, body={
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "ownerReferences": [{
+            "apiVersion": api_version, "kind": kind, "name": created.metadata.name,
+            "uid": created.metadata.uid}]}})
+    owners.delete(name=created.metadata.name, namespace=ns)
+    deadline = t0 + timeout
+    from kubernetes.dynamic.exceptions import NotFoundError
+
+    while time.monotonic() < deadline:
+        try:
+            cms.get(name=name, namespace=ns)
+        except NotFoundError:
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    raise TimeoutError(f"the garbage collector did not collect a {kind}'s dependent "
+                       f"within {timeout}s")
+
+
 # ---------------------------------------------------------------- playing the kubelet
 
 

@@ -144,8 +144,8 @@ def test_pull_from_a_run_file_over_s3_and_from_a_local_s3_folder(adapters, tiny_
     assert not (tmp_path / "c").exists()
 
 
-@pytest.mark.parametrize("message", ['{"step": 4, "policyVersion": 5, "outputs": [{"bucket": '
-                                     '"b", "key": "p/ns/r/final/", "kind": "lora", "step": 4}]}'])
+@pytest.mark.parametrize("message", [('{"step": 4, "policyVersion": 5, "outputs": [{"bucket": '
+                                     '"b", "key": "p/ns/r/final/", "kind": "lora", "step": 4}]}')])
 def test_status_outputs_come_from_the_trainers_termination_message(message):
     from asyncgrpo.api.v1alpha1 import AsyncGRPORunStatus
     from asyncgrpo.controller import progress

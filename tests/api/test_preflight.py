@@ -47,7 +47,8 @@ def _validate(root: Path, path: Path, *flags: str) -> tuple[subprocess.Completed
         [str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "validate", *flags, str(path)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     return proc, time.monotonic() - t0
 
 

@@ -130,6 +130,8 @@ def test_a_finished_run_leaves_its_result_on_disk_and_a_rerun_resumes(tmp_path):
 
     again, _ = _local_run(tmp_path, mutate=retain, max_steps=3)
     assert again.returncode == 0, again.stdout + again.stderr
+    print("\n".join(line for line in (result.stdout + again.stdout).splitlines()
+                    if line.startswith("local S3:")))
     assert "objects (" in again.stdout and "loaded in" in again.stdout
     status = json.loads((work / "local-tiny-trainer-0" / "work" / "status.json").read_text())
     assert status["resumed_from_step"] == 2 and status["step"] == 3

@@ -26,6 +26,8 @@ _COMMAND_MODULES: dict[str, str] = {
     "local": "asyncgrpo.local.commands",
     "weights": "asyncgrpo.weights.commands",
     "report": "asyncgrpo.report",
+    "preflight": "asyncgrpo.preflight",
+    "pull": "asyncgrpo.adapters.pull",
 }
 
 

@@ -99,6 +99,55 @@ def test_local_run_trains_and_stops_everything(tmp_path):
     _assert_the_loggers_recorded_every_step(work / "local-tiny-trainer-0", steps=3)
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_finished_run_leaves_its_result_on_disk_and_a_rerun_resumes(tmp_path):
+    """The local S3 keeps its objects under --workdir's parent (s3/): after the run its
+    final/ is there, `asyncgrpo pull` brings it down, peft loads it and it gives the
+    log-probs of the trainer's last adapter; a rerun loads the objects back and resumes
+    from the run's checkpoint, the last run's work folder kept as work.previous."""
+    import torch
+
+    from asyncgrpo.trainer.final import write_final_lora  # noqa: F401 (the module under test)
+    from tests.adapters.test_final import IDS, _logprobs, _peft
+
+    if vllm_python() is None:
+        pytest.skip("vLLM venv missing: run hack/setup-vllm-venv.sh (make test does)")
+
+    def retain(d):
+        d["spec"]["adapterStore"]["deletionPolicy"] = "Retain"
+        d["spec"]["trainer"]["checkpointInterval"] = 2
+
+    result, _ = _local_run(tmp_path, mutate=retain, max_steps=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    work = tmp_path / "work"
+    status = json.loads((work / "local-tiny-trainer-0" / "work" / "status.json").read_text())
+    (output,) = status["outputs"]
+    assert (output["kind"], output["step"]) == ("lora", 2)
+    run_folder = tmp_path / "s3" / "asyncgrpo-local" / "asyncgrpo" / "default" / "local-tiny"
+    final = tmp_path / "s3" / output["bucket"] / output["key"]
+    assert final == run_folder / "final" and (final / "manifest.json").is_file()
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["version"] == status["policy_version"]
+    pulled = tmp_path / "pulled"
+    subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "pull", str(tmp_path / "run.yaml"),
+                    "--s3-dir", str(tmp_path / "s3"), "--dest", str(pulled)], check=True,
+                   timeout=120)
+    base = tmp_path / "demo" / "tiny-qwen3"
+    last = run_folder / "adapters" / f"v{status['policy_version']}"
+    assert torch.equal(_logprobs(_peft(base, pulled), IDS), _logprobs(_peft(base, last), IDS))
+
+    again, _ = _local_run(tmp_path, mutate=retain, max_steps=3)
+    assert again.returncode == 0, again.stdout + again.stderr
+    print("\n".join(line for line in (result.stdout + again.stdout).splitlines()
+                    if line.startswith("local S3:")))
+    assert "objects (" in again.stdout and "loaded in" in again.stdout
+    status = json.loads((work / "local-tiny-trainer-0" / "work" / "status.json").read_text())
+    assert status["resumed_from_step"] == 2 and status["step"] == 3
+    assert (work / "local-tiny-trainer-0" / "work.previous" / "status.json").is_file()
+    assert json.loads((final / "manifest.json").read_text())["step"] == 3
+
+
 def _assert_the_loggers_recorded_every_step(pod: Path, steps: int):
     """The trainer pod's loggers (wire.LOGGER_DIR in its work emptyDir), read back with the
     loggers' own readers: trackio's SQLite storage and tensorboard's EventAccumulator."""

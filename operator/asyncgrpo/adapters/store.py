@@ -5,6 +5,7 @@ Layout (one run; the run folder comes from ``asyncgrpo.api.layout.run_folder``):
     <prefix>/<namespace>/<run>/adapters/v{N}/adapter_config.json
     <prefix>/<namespace>/<run>/adapters/v{N}/adapter_model.safetensors
     <prefix>/<namespace>/<run>/adapters/v{N}/manifest.json        <- written last
+    <prefix>/<namespace>/<run>/final/...  + manifest.json          the run's result (see below)
 
 Invariants the readers rely on:
 
@@ -50,6 +51,8 @@ from asyncgrpo.storage import (  # noqa: F401  (the last two: raised through her
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+#: the run folder's sub-folder with the run's result (see AdapterStore.final_prefix)
+FINAL = "final"
 MANIFEST_FORMAT = "asyncgrpo.adapter/v1"
 #: The served name of version N is f"{DEFAULT_NAME_PREFIX}{N}".
 DEFAULT_NAME_PREFIX = "policy-v"
@@ -161,6 +164,20 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise AdapterCorrupt(f"{where} is not a valid adapter manifest: {e}") from None
+
+
+def parse_any_manifest(text: str | bytes, where: str = "manifest") -> Any:
+    """An adapter :class:`Manifest` or a weights manifest, by its ``format`` (``final/``
+    holds either, in the format of the versions it was made from)."""
+    try:
+        fmt = json.loads(text).get("format")
+    except (ValueError, AttributeError):
+        fmt = None
+    if fmt == MANIFEST_FORMAT:
+        return Manifest.from_json(text, where)
+    from asyncgrpo.weights.store import WeightsManifest
+
+    return WeightsManifest.from_json(text, where)
 
 
 def _check_relpath(rel: str) -> None:
@@ -438,8 +455,9 @@ class AdapterStore:
             self._download_verified(version, manifest, Path(tmp))
         return manifest
 
-    def _download_verified(self, version: int, manifest: Manifest, into: Path) -> None:
-        vprefix = self.version_prefix(version)
+    def _download_verified(self, version: int, manifest: Manifest, into: Path,
+                           vprefix: str | None = None) -> None:
+        vprefix = self.version_prefix(version) if vprefix is None else vprefix
         for rel, entry in manifest.files.items():
             key = vprefix + rel
             target = into / rel
@@ -462,6 +480,72 @@ class AdapterStore:
             if sha != entry.sha256:
                 raise AdapterCorrupt(f"{self.name(version)}: {self.url(key)} sha256 {sha[:12]}... "
                                      f"does not match manifest {entry.sha256[:12]}...")
+
+    # -- the run's final result ------------------------------------------------------------
+
+    @property
+    def final_prefix(self) -> str:
+        """``<run folder>/final/``: the run's result, written once more at the end of training
+        in a layout peft (LoRA) or transformers and vLLM (full weights) load directly."""
+        return self.objects.key(FINAL) + "/"
+
+    def publish_final(self, local_dir: str | Path, manifest: Any) -> Any:
+        """Upload every file under ``local_dir`` to ``final/``, then ``manifest`` (an adapter
+        :class:`Manifest` or a weights manifest, its ``files`` filled in here) last.
+
+        Unlike versions, ``final/`` is rewritten when a resumed run finishes again: the old
+        manifest goes first (readers see no result rather than a mixed one), stale files of
+        the previous result are deleted after the new manifest is in."""
+        from dataclasses import replace
+
+        local_dir = Path(local_dir)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+        rels = [p.relative_to(local_dir).as_posix() for p in files]
+        for rel in rels:
+            _check_relpath(rel)
+        prefix = self.final_prefix
+        before = set(self.objects.list(prefix))
+        if prefix + MANIFEST in before:
+            self.objects.delete([prefix + MANIFEST])
+        entries = self._upload_files(local_dir, files, rels, prefix)
+        manifest = replace(manifest, files=entries,
+                           created=datetime.now(UTC).isoformat(timespec="seconds"))
+        self.objects.put_bytes(prefix + MANIFEST, manifest.to_json().encode(),
+                               content_type="application/json")
+        stale = sorted(before - {prefix + r for r in rels} - {prefix + MANIFEST})
+        if stale:
+            self.objects.delete(stale)
+        log.info("final result of run %s (%d files, %d bytes) in %s", self.run, len(entries),
+                 manifest.total_bytes, self.url(prefix))
+        return manifest
+
+    def final_manifest(self) -> Any:
+        """The manifest of ``final/`` (adapter or weights format), or None before a run
+        finished."""
+        key = self.final_prefix + MANIFEST
+        body = self.objects.get_or_none(key)
+        return None if body is None else parse_any_manifest(body, self.url(key))
+
+    def fetch_final(self, dest: str | Path) -> tuple[Path, Any]:
+        """``final/`` into ``dest``, every file checked against the manifest (sizes, sha256)
+        before ``dest`` appears; an existing ``dest`` is replaced."""
+        manifest = self.final_manifest()
+        if manifest is None:
+            raise AdapterNotFound(f"no final result at {self.url(self.final_prefix)} (the run "
+                                  "has not finished, or finished before final/ existed)")
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        try:
+            self._download_verified(manifest.version, manifest, tmp, vprefix=self.final_prefix)
+            (tmp / MANIFEST).write_text(manifest.to_json())
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.rename(tmp, dest)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return dest, manifest
 
     # -- retention --------------------------------------------------------------------------
 

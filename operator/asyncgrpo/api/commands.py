@@ -13,6 +13,9 @@ def register(sub) -> None:
     p.set_defaults(func=_crd)
     p = sub.add_parser("validate", help="check run files; print every error with its field path")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    p.add_argument("--deep", action="store_true",
+                   help="also check what the file names: the model and its chat template, the "
+                   "data's first rows, reward and environment modules (asyncgrpo.preflight)")
     p.set_defaults(func=_validate)
 
 
@@ -41,11 +44,20 @@ def _validate(args) -> int:
             failed = True
         for doc in runs:
             name = (doc.get("metadata") or {}).get("name", "<unnamed>")
-            _, errors = validate_run(doc)
+            run, errors = validate_run(doc)
             for e in errors:
                 print(f"{path}: {name}: {e}", file=sys.stderr)
             if errors:
                 failed = True
-            else:
-                print(f"{path}: {name}: valid")
+                continue
+            if getattr(args, "deep", False):
+                from asyncgrpo.preflight import format_report, preflight
+
+                report = preflight(run)
+                for line in format_report(report, f"{path}: {name}: "):
+                    print(line, file=sys.stderr)
+                if not report.ok:
+                    failed = True
+                    continue
+            print(f"{path}: {name}: valid")
     return 1 if failed else 0

@@ -640,6 +640,17 @@ class SandboxStatus(StatusModel):
     spawned_total: int = Field(default=0, description="Sandbox pods created over the run.")
 
 
+class RunOutput(StatusModel):
+    """Where the run's result is: `<run folder>/final/`, written once more when training
+    ends, with its manifest (`asyncgrpo pull` brings it down)."""
+
+    bucket: str = Field(description="Bucket of the run.")
+    key: str = Field(description="Key prefix of the result, ending in final/.")
+    kind: Literal["lora", "full"] = Field(description="lora: a peft adapter; full: the "
+                                          "model's weights with its config and tokenizer.")
+    step: int = Field(default=0, description="Training step the result is from.")
+
+
 class AsyncGRPORunStatus(StatusModel):
     """Observed state of the run, written by the operator."""
 
@@ -666,6 +677,8 @@ class AsyncGRPORunStatus(StatusModel):
         description="What the run's checkpoints depend on (model name, finetuning, LoRA rank "
         "and targets), as JSON, fixed at the first reconcile: a spec that changes it is "
         "refused by the webhook and not rolled out by the operator.")
+    outputs: list[RunOutput] = Field(default_factory=list, description="The run's result "
+                                     "once training finished (final/ in the bucket).")
     start_time: datetime | None = Field(default=None, description="When training started.")
     completion_time: datetime | None = Field(default=None, description="When the run finished.")
 

@@ -33,6 +33,8 @@ class Progress:
     unique_tokens_per_second: float | None = None
     tree_compression_ratio: float | None = None
     reward_mean: float | None = None
+    #: the run's result (`final/`), from the termination message: bucket, key, kind, step
+    outputs: list[dict] | None = None
 
 
 def parse(text: str) -> Progress:
@@ -60,7 +62,11 @@ def from_termination_message(message: str) -> Progress | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
         return None
     version = doc.get("policyVersion")
-    return Progress(step=doc["step"], policy_version=version if isinstance(version, int) else None)
+    outputs = [o for o in doc.get("outputs") or [] if isinstance(o, dict)
+               and isinstance(o.get("bucket"), str) and isinstance(o.get("key"), str)]
+    return Progress(step=doc["step"], policy_version=version if isinstance(version, int) else None,
+                    outputs=[{k: o[k] for k in ("bucket", "key", "kind", "step") if k in o}
+                             for o in outputs] or None)
 
 
 def scrape(url: str, timeout: float = 2.0) -> Progress | None:

@@ -29,6 +29,9 @@ TRAINER_BACKOFF_LIMIT = 6
 
 CONDITION_TYPES = ("BucketReady", "RolloutReady", "SandboxesReady", "TrainerReady",
                    "AdapterInSync", "Progressing", "Degraded")
+#: The deep checks of the run where its model, data and modules are (`asyncgrpo preflight`;
+#: docs/api.md): set False with the field path before vLLM and the trainer are scaled up.
+PREFLIGHT_CONDITION = "Preflight"
 
 
 @dataclass
@@ -242,6 +245,8 @@ def _observed_fields(spec: AsyncGRPORunSpec | None, obs: Observation) -> dict[st
               if v is not None}
         if tp:
             out["throughput"] = tp
+        if p.outputs:
+            out["outputs"] = p.outputs
     if obs.served_weights is not None:
         out["servedWeights"] = obs.served_weights.status()
     if spec is not None and spec.sandboxes is not None and obs.sandboxes:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -79,6 +80,14 @@ class LocalBackend:
     env: dict[str, str] = field(default_factory=dict)
     #: /metrics of vLLM and the gateway, scraped beside the trainer's at each step
     scrape_urls: list[str] = field(default_factory=list)
+    #: where the local S3 server keeps its objects between runs (None: `<workdir>/../s3`)
+    s3_dir: Path | None = None
+    #: run the deep checks (asyncgrpo.preflight) before anything starts
+    preflight: bool = True
+    #: the run file, for the `asyncgrpo pull` line of final_output
+    run_file: Path | None = None
+    _locks: list = field(default_factory=list)
+    _stopped_s3: S3Server | None = None
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
@@ -95,6 +104,94 @@ class LocalBackend:
             raise LocalRunError("spec.trainer.reportToSecret: a Secret lives in a cluster; "
                                 "locally give the loggers' settings in spec.trainer.env")
 
+    def deep_check(self) -> None:
+        """The preflight (model, tokenizer, data, modules) before any process starts: each
+        problem with its field, in seconds rather than in a vLLM or torchrun traceback."""
+        from asyncgrpo.preflight import preflight
+
+        report = preflight(self.run)
+        for note in report.notes:
+            self.say(f"preflight note: {note}")
+        if not report.ok:
+            raise LocalRunError("preflight found problems (nothing was started):\n  "
+                                + "\n  ".join(str(e) for e in report.errors))
+
+    def _lock(self) -> None:
+        """Hold the run's locks for its life: one on its work folder, one on its identity in
+        its bucket (endpoint, bucket, namespace, name: the run folder two runs would share).
+        A second run while the first still runs is refused here, before it touches S3,
+        its folder or the first run's processes."""
+        import fcntl
+        import tempfile
+
+        store = self.run.spec.adapter_store
+        ident = "-".join(x for x in (urlparse(store.endpoint or "").netloc.replace(":", "_"),
+                                     store.bucket, self.run.metadata.namespace or "default",
+                                     self.run.metadata.name) if x)
+        lock_dir = Path(tempfile.gettempdir()) / f"asyncgrpo-local-{os.getuid()}"
+        lock_dir.mkdir(mode=0o700, exist_ok=True)
+        for path, what in ((self.workdir / ".run.lock", f"the work folder {self.workdir}"),
+                           (lock_dir / f"{ident}.lock", (f"the run folder of "
+                            f"{self.run.metadata.name} in bucket {store.bucket}"))):
+            f = open(path, "a+")  # noqa: SIM115 (held until stop)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "?"
+                f.close()
+                raise LocalRunError(
+                    f"another `asyncgrpo local run` ({holder}) is using {what}: wait for it "
+                    "to finish (or stop it), or run this one under another metadata.name "
+                    "and --workdir") from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            f.flush()
+            self._locks.append(f)
+
+    def _keep_previous_work(self) -> None:
+        """The trainer pods' work folders (TRL's output, status.json, loggers) of the last
+        run are moved to `work.previous` instead of being wiped by the fresh emptyDir: a
+        rerun resumes from the bucket's checkpoints and the last run's files stay readable."""
+        for work in sorted(self.workdir.glob(f"{self.run.metadata.name}-trainer-*/work")):
+            if work.is_dir() and any(work.iterdir()):
+                previous = work.with_name("work.previous")
+                shutil.rmtree(previous, ignore_errors=True)
+                os.rename(work, previous)
+
+    def final_output(self) -> dict | None:
+        """Where the run's result is, once the trainer wrote it: the bucket record of
+        `final/` (bucket, key, kind, step) plus `local_path`, the folder on this machine's
+        disk when the local S3 keeps it (`<s3 dir>/<bucket>/<key>`, written when the S3
+        server stops), and `pull`, the command that brings it down. None before."""
+        outputs = (self.trainer_status() or {}).get("outputs") or []
+        if not outputs:
+            return None
+        out = dict(outputs[0])
+        if self._s3_server() is not None:
+            out["local_path"] = str(self._s3_data_dir() / out["bucket"] / out["key"])
+        run_file = self.run_file or f"{self.run.metadata.name}.yaml"
+        s3_dir = f" --s3-dir {self._s3_data_dir()}" if self._s3_server() is not None else ""
+        out["pull"] = (f"asyncgrpo pull {run_file}{s3_dir} --dest "
+                       f"{self.run.metadata.name}-final")
+        return out
+
+    def final_output_line(self) -> str | None:
+        """One line for the end of a local run's output (printed by the caller)."""
+        out = self.final_output()
+        if out is None:
+            return None
+        where = out.get("local_path") or f"s3://{out['bucket']}/{out['key']}"
+        return (f"final {'adapter' if out['kind'] == 'lora' else 'weights'} (step "
+                f"{out['step']}): {where}")
+
+    def _s3_data_dir(self) -> Path:
+        return self.s3_dir if self.s3_dir is not None else self.workdir.parent / "s3"
+
+    def _s3_server(self) -> S3Server | None:
+        return next((p for p in self.started if isinstance(p, S3Server)), self._stopped_s3)
+
     # ------------------------------------------------------------------ parts
     def _s3(self) -> None:
         """A local S3 server when the endpoint is a free loopback port; the credentials
@@ -104,12 +201,23 @@ class LocalBackend:
         host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
         creds = {k: os.environ[k] for k in LOCAL_S3_CREDENTIALS if os.environ.get(k)}
         if host in LOOPBACK and not listening(port):
-            self.say(f"starting a local S3 server on 127.0.0.1:{port}")
+            data = self._s3_data_dir()
+            self.say(f"starting a local S3 server on 127.0.0.1:{port} (objects kept in {data})")
             try:
-                self.started.append(S3Server.start(self.workdir / "s3.log", port=port))
+                server = S3Server.start(self.workdir / "s3.log", port=port, data_dir=data)
             except FileNotFoundError as e:
                 raise LocalRunError(f"no local S3 server: {e}") from None
+            self.started.append(server)
+            if server.restored and server.restored[0]:
+                n, size, secs = server.restored
+                self.say(f"local S3: {n} objects ({size / 1e6:.1f} MB) loaded in {secs:.1f} s")
             creds = creds or dict(LOCAL_S3_CREDENTIALS)
+        elif host in LOOPBACK and not creds:
+            raise LocalRunError(
+                f"spec.adapterStore.endpoint: something already listens on {host}:{port} "
+                "(another local run's S3 server? it stops when that run ends): give this run "
+                "another port, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for the "
+                "server there")
         if not creds:
             raise LocalRunError("no S3 credentials: set AWS_ACCESS_KEY_ID and "
                                 "AWS_SECRET_ACCESS_KEY for spec.adapterStore.endpoint")
@@ -166,10 +274,15 @@ class LocalBackend:
         from asyncgrpo.local.vllm import vllm_python, vllm_venv
 
         self.check()
-        if vllm_python() is None:
-            raise LocalRunError(f"no vLLM venv at {vllm_venv()}: run hack/setup-vllm-venv.sh")
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
+            self._lock()
+            if self.preflight:
+                self.deep_check()
+            if vllm_python() is None:
+                raise LocalRunError(f"no vLLM venv at {vllm_venv()}: run "
+                                    "hack/setup-vllm-venv.sh")
+            self._keep_previous_work()
             self._s3()
             pods, procs = self._processes()
             by = {c: [p for p in pods if p.component == c]
@@ -280,13 +393,26 @@ class LocalBackend:
         return min(total, self.max_steps) if self.max_steps else total
 
     def summary(self) -> str:
-        return progress.summary(self.run.metadata.name, self.trainer_status() or {},
+        text = progress.summary(self.run.metadata.name, self.trainer_status() or {},
                                 progress.load(self.progress_path), self.workdir,
                                 self.status_path.parent if self.status_path else None)
+        final = self.final_output()
+        if final is not None:  # the trained model, in the layout peft/transformers load
+            text += f"\n{self.final_output_line()}\nbring it down: {final['pull']}"
+        return text
 
     def stop(self) -> None:
         while self.started:
-            self.started.pop().stop()
+            part = self.started.pop()
+            part.stop()
+            if isinstance(part, S3Server):
+                self._stopped_s3 = part
+                if part.saved:
+                    n, size, secs = part.saved
+                    self.say(f"local S3: {n} objects ({size / 1e6:.1f} MB) saved to "
+                             f"{part.data_dir} in {secs:.1f} s")
+        while self._locks:
+            self._locks.pop().close()
 
 
 def start_process(lp: LocalProcess, log_dir: Path, *, started: list, wait: bool = True

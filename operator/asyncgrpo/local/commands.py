@@ -17,6 +17,11 @@ def register(sub) -> None:
                      help="logs, caches and trainer status (default .cache/local/<run name>)")
     run.add_argument("--max-steps", type=int, default=None,
                      help="stop after this step even if spec.trainer.totalSteps is larger")
+    run.add_argument("--s3-dir", type=Path, default=None,
+                     help="where a local S3 server keeps its objects between runs (default: "
+                     "beside the work folder, .cache/local/s3)")
+    run.add_argument("--no-preflight", action="store_true",
+                     help="skip the deep checks of the model, data and modules")
     run.set_defaults(func=_run)
     demo = lsub.add_parser("demo-assets", help="write the demo's tiny model and prompts to DIR")
     demo.add_argument("directory", type=Path)
@@ -34,7 +39,8 @@ def _run(args) -> int:
         return 1
     workdir = args.workdir or Path(".cache") / "local" / run.metadata.name
     backend = LocalBackend(run, workdir, max_steps=args.max_steps,
-                           say=lambda line: print(line, flush=True))
+                           say=lambda line: print(line, flush=True), s3_dir=args.s3_dir,
+                           preflight=not args.no_preflight, run_file=args.file)
     try:
         return backend.run_to_completion()
     except LocalRunError as e:

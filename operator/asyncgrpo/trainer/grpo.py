@@ -137,6 +137,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         self.served_version = 0  # the version rollouts request
         self._probe_failed_transiently = False
         self.published: list[dict] = []  # this process's publishes, for status and tests
+        self.outputs: list[dict] = []  # the run's result once written (trainer.final)
         self.resumed_from_step: int | None = None
         self.history: list[dict] = []  # per logged step: reward, loss (rank 0; bounded)
         self._weights = None
@@ -427,6 +428,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             "served_version": self.served_version,
             "resumed_from_step": self.resumed_from_step,
             "published": self.published,
+            "outputs": self.outputs,
             "sample_versions": {str(v): n for v, n in sorted(self.trained_sample_versions.items())},
             "history": self.history,
             "conditions": self._metrics_sink.status()["conditions"] if self._metrics_sink else [],

@@ -217,7 +217,12 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
     try:
         trainer.train(resume_from_checkpoint=resume_dir)
         if top.is_main:
-            write_termination_message(int(trainer.state.global_step), int(trainer.model_version))
+            from asyncgrpo.trainer.final import write_final
+
+            record = write_final(trainer, run, getattr(trainer, "processing_class", None))
+            trainer.outputs = [record] if record else []
+            write_termination_message(int(trainer.state.global_step), int(trainer.model_version),
+                                      outputs=trainer.outputs)
     finally:
         trainer._write_status()
         if pod_endpoint is not None:
@@ -296,15 +301,21 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
 
 
 def write_termination_message(step: int, policy_version: int,
-                              path: str = "/dev/termination-log") -> bool:
+                              path: str = "/dev/termination-log",
+                              outputs: list[dict] | None = None) -> bool:
     """Leave the final numbers where Kubernetes keeps them after the container exits (its
-    termination message): the operator's last scrape may predate the last step. Outside a
-    pod there is no such file and nothing is written."""
+    termination message): the operator's last scrape may predate the last step. `outputs`:
+    where the run's result is (`final/`: bucket, key, kind, step), which the operator
+    copies into `status.outputs`. Outside a pod there is no such file and nothing is
+    written."""
     target = Path(os.environ.get(wire.TERMINATION_LOG_ENV, path))
     if not target.exists():
         return False
+    doc: dict = {"step": step, "policyVersion": policy_version}
+    if outputs:
+        doc["outputs"] = outputs
     try:
-        target.write_text(json.dumps({"step": step, "policyVersion": policy_version}))
+        target.write_text(json.dumps(doc))
     except OSError:
         return False
     return True

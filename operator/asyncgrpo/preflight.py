@@ -1,0 +1,410 @@
+"""Deep checks of a run before anything starts: what `asyncgrpo validate` cannot see.
+
+`validate_run` checks the run file against itself. These checks look at what the file
+names: the model (a local folder with a config.json, or a hub name whose config is in the
+local cache or reachable under the run's hub settings), its tokenizer (a chat template the
+rollout harness can use: TRL's own `add_response_schema`, and for tools a prefix-preserving
+template), the data (the source exists, its first rows parse and carry the prompt field),
+and every user module (reward functions and an environment factory import and have a
+signature TRL can call). Each problem is a `FieldError` on the field to change, so a typo
+costs seconds instead of a vLLM or torchrun traceback minutes later.
+
+Who runs them: `asyncgrpo validate --deep FILE` (where the user is), `asyncgrpo local run`
+before it starts S3, vLLM or the trainer, and `asyncgrpo preflight --config FILE` (the same
+checks, where the model, data and modules are reachable: in the trainer image, in the run's
+namespace; docs/api.md describes the cluster preflight). Relative paths and modules resolve
+from the current directory, as a local run's pods do (docs/local.md).
+
+Import cost matters (the goal is an answer in seconds): transformers and TRL are imported
+only when a tokenizer is checked, and nothing loads model weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo import wire
+from asyncgrpo.api.validation import FieldError
+
+#: Rows of the data source that are parsed (and whose columns reward signatures must take).
+PREVIEW_ROWS = 16
+#: Bytes read from the start of a data file to get those rows.
+PREVIEW_BYTES = 1 << 20
+#: Keyword arguments TRL's rollout worker passes every reward function besides the columns.
+REWARD_KWARGS = ("prompts", "completion_ids")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass
+class PreflightReport:
+    """Every problem found, notes on what could not be checked here, and how long each took."""
+
+    errors: list[FieldError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _env_of(run) -> dict[str, str]:
+    """The variables the trainer sees that change how names resolve: the machine's, then
+    the run's trainer and rollout env (HF_HUB_OFFLINE, HF_HOME, HF_ENDPOINT...)."""
+    env = dict(os.environ)
+    for var in [*run.spec.rollout.env, *run.spec.trainer.env]:
+        if var.value is not None:
+            env[var.name] = var.value
+    return env
+
+
+def _looks_like_path(name: str) -> bool:
+    """A hub id is `name` or `namespace/name`; anything else (a leading '.', '/', '~', more
+    than one '/') can only be a folder."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def check_model(run, env: dict[str, str] | None = None) -> Iterator[FieldError | str]:
+    """spec.model.name resolves to a config: a local folder, or a hub id whose config.json
+    is cached (offline) or at least a valid id (online: the pod downloads it)."""
+    name = run.spec.model.name
+    env = _env_of(run) if env is None else env
+    at = "spec.model.name"
+    p = Path(name).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            yield FieldError(at, f"{name} is a file; give the model's folder (with config.json)")
+        elif not (p / "config.json").is_file():
+            yield FieldError(at, f"{name} has no config.json: not a transformers model folder")
+        return
+    if _looks_like_path(name):
+        yield FieldError(at, f"{name}: no such folder (relative paths resolve from "
+                         f"{Path.cwd()})")
+        return
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as e:
+        yield FieldError(at, f"{name!r} is neither a folder nor a hub model id: {e}")
+        return
+    cache_dir = env.get("HF_HUB_CACHE") or (
+        str(Path(env["HF_HOME"]) / "hub") if env.get("HF_HOME") else None)
+    cached = try_to_load_from_cache(name, "config.json", cache_dir=cache_dir)
+    if isinstance(cached, str):
+        return
+    offline = any(env.get(k, "").lower() in _TRUE for k in ("HF_HUB_OFFLINE",
+                                                             "TRANSFORMERS_OFFLINE"))
+    if offline:
+        yield FieldError(at, f"{name}: not in the local Hugging Face cache "
+                         f"({cache_dir or 'the default HF_HOME'}) and HF_HUB_OFFLINE is set: "
+                         "download it first (huggingface-cli download) or give a folder")
+        return
+    yield f"{at}: {name} is not in the local cache; it is downloaded from the hub at start"
+
+
+def check_tokenizer(run) -> Iterator[FieldError | str]:
+    """The tokenizer of spec.model.name has a chat template TRL's rollout worker can use:
+    it renders a user turn, TRL recognises it (`add_response_schema`, which the worker calls),
+    and with tools it is prefix-preserving or TRL has a training variant of it."""
+    at = "spec.model.name"
+    name = run.spec.model.name
+    env = _env_of(run)
+    offline = any(env.get(k, "").lower() in _TRUE for k in ("HF_HUB_OFFLINE",
+                                                             "TRANSFORMERS_OFFLINE"))
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=offline or Path(name).exists())
+    except Exception as e:  # noqa: BLE001 - any failure to load is the user's to fix
+        yield FieldError(at, f"the tokenizer cannot be loaded: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:300]}")
+        return
+    if not getattr(tok, "chat_template", None):
+        yield FieldError(at, "the tokenizer has no chat template (tokenizer_config.json "
+                         "chat_template): prompts are chat messages")
+        return
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "ping"}], tokenize=False,
+                                add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001
+        yield FieldError(at, f"the tokenizer's chat template fails on a user turn: {e}")
+        return
+    if getattr(tok, "response_template", None) is None and getattr(
+            tok, "response_schema", None) is None:
+        from trl.chat_template_utils import add_response_schema
+
+        try:
+            add_response_schema(tok)
+        except ValueError as e:
+            yield FieldError(at, "the tokenizer's chat template is not one TRL's rollout "
+                             "worker recognises, and the tokenizer sets no response_template: "
+                             f"{str(e).split('. ')[0]}")
+            return
+    if run.spec.harness.type == "multi-turn" and (run.spec.harness.tools or _environment(run)):
+        from trl.chat_template_utils import (
+            get_training_chat_template,
+            is_chat_template_prefix_preserving,
+        )
+
+        if not is_chat_template_prefix_preserving(tok):
+            try:
+                get_training_chat_template(tok)
+            except ValueError:
+                yield FieldError(at, "multi-turn with tools needs a prefix-preserving chat "
+                                 "template; this one is not and TRL has no training variant")
+
+
+def _preview_text(path: Path) -> str:
+    """The first PREVIEW_ROWS complete lines of a JSON Lines file."""
+    with open(path, "rb") as f:
+        head = f.read(PREVIEW_BYTES)
+    lines = head.decode("utf-8", errors="replace").splitlines(keepends=True)
+    if len(head) == PREVIEW_BYTES and lines and not lines[-1].endswith("\n"):
+        lines = lines[:-1]  # cut mid-line
+    return "".join(lines[:PREVIEW_ROWS])
+
+
+def _table_rows(path: Path) -> list[dict[str, Any]]:
+    """First rows of a Parquet file or a `datasets.save_to_disk` folder (if the trainer's
+    data loader reads them: formats beyond JSON Lines are read through `datasets`)."""
+    import datasets
+
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+    else:
+        ds = datasets.Dataset.from_parquet(str(path))
+    return [dict(r) for r in ds.select(range(min(PREVIEW_ROWS, len(ds))))]
+
+
+def check_data(run, bucket=None) -> tuple[list[FieldError | str], list[dict[str, Any]]]:
+    """(problems, first rows as the trainer parses them): the source exists, its first rows
+    parse, each has the prompt field. `bucket`: a `storage.Bucket` of the whole bucket when
+    one is reachable, for `bucketPath`."""
+    from asyncgrpo.trainer.data import DataError, parse_jsonl
+
+    spec = run.spec.data
+    out: list[FieldError | str] = []
+    field_name = spec.prompt_field
+    if spec.path:
+        at, p = "spec.data.path", Path(spec.path).expanduser()
+        if not p.exists():
+            return [FieldError(at, f"{spec.path}: no such file (relative paths resolve "
+                               f"from {Path.cwd()})")], []
+        if p.is_dir() or p.suffix == ".parquet":
+            try:
+                rows = _table_rows(p)
+            except Exception as e:  # noqa: BLE001
+                return [FieldError(at, f"{spec.path}: cannot be read as a data set: {e}")], []
+            if not rows:
+                return [FieldError(at, f"{spec.path}: no rows")], []
+            if field_name not in rows[0]:
+                return [FieldError("spec.data.promptField", f"{field_name!r} is not a column of "
+                                   f"{spec.path} (columns: {sorted(rows[0])})")], rows
+            return [], [dict(r, prompt=r.pop(field_name)) for r in rows]
+        text, source = _preview_text(p), spec.path
+    elif spec.bucket_path:
+        at = "spec.data.bucketPath"
+        if bucket is None:
+            return [f"{at}: not checked (the bucket is not reachable from here)"], []
+        from asyncgrpo.storage import StoreError
+
+        key = spec.bucket_path.lstrip("/")
+        try:
+            if not bucket.exists(key):
+                return [FieldError(at, f"{bucket.url(key)}: no such object")], []
+            body = bucket.client.get_object(Bucket=bucket.bucket, Key=key,
+                                            Range=f"bytes=0-{PREVIEW_BYTES - 1}")["Body"].read()
+        except StoreError as e:
+            return [f"{at}: not checked ({e})"], []
+        lines = body.decode("utf-8", errors="replace").splitlines(keepends=True)
+        if len(body) == PREVIEW_BYTES and lines and not lines[-1].endswith("\n"):
+            lines = lines[:-1]
+        text, source = "".join(lines[:PREVIEW_ROWS]), bucket.url(key)
+    else:  # a ConfigMap is mounted into the trainer pod; only the pod can read it
+        from asyncgrpo.trainer.data import read_source
+
+        at = "spec.data.configMap"
+        try:
+            text, source = read_source(spec)
+        except DataError:
+            return [(f"{at}: not checked (read where the ConfigMap is mounted: the cluster "
+                    "preflight)")], []
+    try:
+        rows = parse_jsonl(text, field_name, source)
+    except DataError as e:
+        msg = str(e)
+        where = "spec.data.promptField" if f"no field {field_name!r}" in msg else at
+        return [FieldError(where, msg)], []
+    return out, rows
+
+
+def _import(ref: str) -> Any:
+    mod_name, _, attr = ref.partition(":")
+    module = importlib.import_module(mod_name)
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _environment(run) -> Any:
+    """spec.harness.environment if this version of the model has it (added with the
+    bring-your-own-environment work), else None."""
+    return getattr(run.spec.harness, "environment", None)
+
+
+def _kwargs_for(fn, names: set[str]) -> str | None:
+    """Why `fn(completions, **{n: ... for n in names})` would fail to bind, or None."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # a builtin or C callable: nothing to check
+    try:
+        sig.bind([], **{n: None for n in names})
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def check_modules(run, columns: set[str] | None) -> Iterator[FieldError | str]:
+    """Every `python` reward imports, is callable and takes TRL's call
+    (`fn(completions, prompts=..., completion_ids=..., <every column>=..., <args>=...)`);
+    `spec.harness.environment`'s factory imports and is callable. `columns`: the data
+    set's columns besides the prompt (None: unknown, only TRL's own keywords are checked)."""
+    for i, fn in enumerate(run.spec.reward.functions):
+        if fn.name != "python" or not fn.module:
+            continue
+        at = f"spec.reward.functions[{i}].module"
+        try:
+            obj = _import(fn.module)
+        except Exception as e:  # noqa: BLE001 - the user's module: any import error is theirs
+            yield FieldError(at, f"{fn.module} cannot be imported: {type(e).__name__}: {e} "
+                             "(locally the run's directory is on the path; on a cluster the "
+                             "module must be in the trainer image)")
+            continue
+        if not callable(obj):
+            yield FieldError(at, f"{fn.module} is a {type(obj).__name__}, not a function")
+            continue
+        names = set(REWARD_KWARGS) | set(columns or ()) | set(fn.args)
+        why = _kwargs_for(obj, names)
+        if why:
+            yield FieldError(at, f"{fn.module} cannot take TRL's call fn(completions, "
+                             f"{', '.join(f'{n}=...' for n in sorted(names))}): {why}; "
+                             "accept **kwargs")
+    env = _environment(run)
+    ref = getattr(env, "module", None) if env is not None else None
+    if ref:
+        at = "spec.harness.environment.module"
+        try:
+            obj = _import(ref)
+        except Exception as e:  # noqa: BLE001
+            yield FieldError(at, f"{ref} cannot be imported: {type(e).__name__}: {e}")
+            return
+        if not callable(obj):
+            yield FieldError(at, f"{ref} is a {type(obj).__name__}, not a factory")
+        elif inspect.isclass(obj) and not callable(getattr(obj, "reset", None)):
+            yield FieldError(at, f"{ref} has no reset(): TRL's environment protocol calls "
+                             "reset(**row) at the start of each episode")
+
+
+def _reachable_bucket(run, env: dict[str, str]):
+    """A `storage.Bucket` of the run's bucket when credentials and an endpoint that answers
+    are at hand (for a `bucketPath` data source), else None. Never waits long."""
+    s = run.spec.adapter_store
+    if not (env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_PROFILE")
+            or env.get("AWS_WEB_IDENTITY_TOKEN_FILE")):
+        return None
+    if s.endpoint:
+        from urllib.parse import urlparse
+
+        from asyncgrpo.local.net import listening
+
+        u = urlparse(s.endpoint)
+        if u.hostname in ("127.0.0.1", "localhost") and not listening(u.port or 80):
+            return None
+    from asyncgrpo import storage
+
+    client = storage.client(env.get("AWS_ENDPOINT_URL_S3") or s.endpoint, s.region,
+                            connect_timeout_s=2.0, read_timeout_s=10.0)
+    return storage.Bucket(s.bucket, "", client, attempts=1)
+
+
+def preflight(run, *, bucket=None, tokenizer: bool = True) -> PreflightReport:
+    """Every deep check of one run; never raises for the run's own problems."""
+    report = PreflightReport()
+    env = _env_of(run)
+    if str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # user modules resolve from here, as locally
+
+    def take(items, what: str) -> None:
+        for item in items:
+            (report.errors if isinstance(item, FieldError) else report.notes).append(item)
+
+    def timed(what: str, fn):
+        t0 = time.monotonic()
+        try:
+            return fn()
+        finally:
+            report.seconds[what] = round(time.monotonic() - t0, 3)
+
+    model_errors = timed("model", lambda: list(check_model(run, env)))
+    take(model_errors, "model")
+    if tokenizer and not any(isinstance(e, FieldError) for e in model_errors):
+        take(timed("tokenizer", lambda: list(check_tokenizer(run))), "tokenizer")
+    if bucket is None and run.spec.data.bucket_path:
+        bucket = _reachable_bucket(run, env)
+    problems, rows = timed("data", lambda: check_data(run, bucket))
+    take(problems, "data")
+    columns = set().union(*(set(r) - {"prompt"} for r in rows)) if rows else None
+    take(timed("modules", lambda: list(check_modules(run, columns))), "modules")
+    return report
+
+
+def format_report(report: PreflightReport, prefix: str = "") -> list[str]:
+    return [f"{prefix}{e}" for e in report.errors] + [f"{prefix}note: {n}" for n in report.notes]
+
+
+# ---------------------------------------------------------------- `asyncgrpo preflight`
+
+
+def register(sub) -> None:
+    p = sub.add_parser("preflight", help="the deep checks of a run where its model, data and "
+                       "modules are (the cluster's preflight Job); exit 1 on any error")
+    p.add_argument("--config", type=Path, required=True, help="the run document")
+    p.add_argument("--termination-log", type=Path, default=Path("/dev/termination-log"),
+                   help="where the errors go as JSON for the operator (if it exists)")
+    p.set_defaults(func=_preflight_command)
+
+
+def _preflight_command(args) -> int:
+    from asyncgrpo.api import RunValidationError, load_run
+
+    try:
+        run = load_run(args.config)
+    except (OSError, RunValidationError) as e:
+        print(f"{args.config}: {e}", file=sys.stderr)
+        return 1
+    report = preflight(run)
+    for line in format_report(report):
+        print(line, file=sys.stderr if not line.startswith("note") else sys.stdout)
+    target = Path(os.environ.get(wire.TERMINATION_LOG_ENV) or args.termination_log)
+    if target.exists():
+        try:
+            target.write_text(json.dumps({"errors": [{"path": e.path, "message": e.message}
+                                                     for e in report.errors]})[:4000])
+        except OSError:
+            pass
+    return 0 if report.ok else 1

@@ -117,10 +117,14 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: st
 
 
 def reset(sb: Proc, secret: str | None = LEASE) -> dict:
-    """The gateway's control call: revoke the lease, wipe, install `secret` as the next one."""
-    body = {"lease_secret": secret} if secret else None
-    r = httpx.post(f"{sb.url}/v1/reset", json=body, headers={"authorization": f"Bearer {TOKEN}"}, timeout=120)
+    """The gateway's control call: revoke the lease, wipe, install `secret` as the next one
+    (sealed in the reset credential); the answer must prove the server knows the token."""
+    from asyncgrpo.sandbox.challenge import reset_call
+
+    call = reset_call(TOKEN, sb.url, secret)
+    r = httpx.post(f"{sb.url}/v1/reset", content=call.body, headers=call.headers, timeout=120)
     r.raise_for_status()
+    assert call.proven_by(r.content), r.text
     return r.json()
 
 

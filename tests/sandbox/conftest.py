@@ -26,8 +26,13 @@ _BASES: list[Path] = []
 @pytest.fixture(autouse=True, scope="session")
 def _remove_workspaces():
     yield
-    for base in _BASES:
-        shutil.rmtree(base, ignore_errors=True)
+    from asyncgrpo.sandbox.workspace import _remove
+
+    for base in _BASES:  # iterative: a test may leave a tree nested thousands deep
+        try:
+            _remove(str(base))
+        except OSError:
+            shutil.rmtree(base, ignore_errors=True)
 GW_TOKEN = "gateway-test-token-9876543210"
 
 

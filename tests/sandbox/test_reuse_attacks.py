@@ -133,9 +133,11 @@ def test_root_mode_changes_directory_as_the_command_uid(tmp_path):
                 import threading
 
                 holder = threading.Thread(target=lambda: c.post("/v1/exec", json={
-                    "command": f"sleep 1; rmdir d; ln -s {secret}/pub d", "timeout_seconds": 30}))
+                    "command": f"touch started; sleep 2; rmdir d; ln -s {secret}/pub d", "timeout_seconds": 30}))
                 holder.start()
-                time.sleep(0.3)  # the holder has the only slot; the next exec's cwd is checked now
+                # the holder has the only slot (file calls need none); the next exec's cwd is checked now
+                wait_until(lambda: c.post("/v1/files/read", json={"path": "started"}).status_code == 200, 30,
+                           what="the holder runs")
                 with lease_client(sb) as c2:
                     r = c2.post("/v1/exec", json={"command": "cat flag; pwd", "cwd": "d"}).json()
                 holder.join()

@@ -17,7 +17,15 @@ import httpx
 import pytest
 
 from asyncgrpo.sandbox.challenge import reset_call
-from tests.sandbox.conftest import LEASE, TOKEN, Proc, lease_client, reset, start_sandbox, wait_until
+from tests.sandbox.conftest import (
+    LEASE,
+    TOKEN,
+    Proc,
+    lease_client,
+    reset,
+    start_sandbox,
+    wait_until,
+)
 
 _SYSTEM_PYTHON = "/usr/bin/python3.11"
 UID = 65533  # the unprivileged server's uid in the PID-1 tests
@@ -250,12 +258,12 @@ def test_sigterm_kills_every_command_before_the_listener_closes(pid1_sandbox):
     with lease_client(sb) as c:
         c.post("/v1/exec", json={"command": start_fake}).raise_for_status()
     # the kubelet's SIGTERM: from outside the namespace (sent to unshare's child, the server)
-    server_pid = int(subprocess.run(["pgrep", "-P", str(sb.pid)], capture_output=True, text=True).stdout.split()[0])
+    server_pid = int(subprocess.run(["pgrep", "-P", str(sb.pid)], capture_output=True, text=True, check=False).stdout.split()[0])
     os.kill(server_pid, signal.SIGTERM)
     sb.proc.wait(timeout=60)
     time.sleep(1)
     assert not mark.exists(), "an escaped command bound the server's port"
     with socket.socket() as s:  # and nothing listens there any more
         assert s.connect_ex(("127.0.0.1", sb.port)) != 0
-    wait_until(lambda: not subprocess.run(["pgrep", "-f", str(fake)], capture_output=True).stdout, 10,
+    wait_until(lambda: not subprocess.run(["pgrep", "-f", str(fake)], capture_output=True, check=False).stdout, 10,
                what="the escaped command is gone")

@@ -267,3 +267,72 @@ def test_sigterm_kills_every_command_before_the_listener_closes(pid1_sandbox):
         assert s.connect_ex(("127.0.0.1", sb.port)) != 0
     wait_until(lambda: not subprocess.run(["pgrep", "-f", str(fake)], capture_output=True, check=False).stdout, 10,
                what="the escaped command is gone")
+
+
+IMPOSTOR = """
+import http.server, sys
+log = open(sys.argv[2], "ab")
+class H(http.server.BaseHTTPRequestHandler):
+    def _answer(self):
+        n = int(self.headers.get("content-length") or 0)
+        log.write(bytes(self.requestline, "latin-1") + b"\\n" + bytes(str(self.headers), "latin-1")
+                  + self.rfile.read(n) + b"\\n"); log.flush()
+        body = b'{"status": "ok", "leased": true, "killed_processes": 0}'
+        self.send_response(200); self.send_header("content-length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    do_GET = do_POST = _answer
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_the_gateway_gives_an_impostor_neither_token_nor_secret_nor_a_group(tmp_path):
+    from tests.conftest import free_port, wait_for_port
+    from tests.sandbox.conftest import gw_client, start_gateway
+
+    port, log = free_port(), tmp_path / "impostor.log"
+    (tmp_path / "impostor.py").write_text(IMPOSTOR)
+    fake = subprocess.Popen([sys.executable, str(tmp_path / "impostor.py"), str(port), str(log)])
+    gw = None
+    try:
+        wait_for_port(port, proc=fake)
+        gw = start_gateway(tmp_path, [f"http://127.0.0.1:{port}"], "--health-interval-seconds", "0.2")
+        wait_until(lambda: log.exists() and b"/v1/reset" in log.read_bytes(), 30, what="a reset reached the fake")
+        time.sleep(1)
+        with gw_client(gw) as c:
+            r = c.post("/v1/leases", json={"group_id": "victim", "wait_seconds": 1})
+        assert r.status_code == 503, r.text  # never handed to a group
+        seen = log.read_bytes()
+        assert TOKEN.encode() not in seen  # neither on health checks nor on resets
+        assert b"lease_secret" not in seen
+        assert httpx.get(f"{gw.url}/v1/demand").json()["idle"] == 0
+    finally:
+        if gw is not None:
+            gw.stop()
+        fake.kill()
+        fake.wait()
+
+
+def test_a_same_uid_command_cannot_read_the_gateways_environment(tmp_path):
+    """Non-root local mode: the gateway, the sandbox server and commands share one uid."""
+    if os.geteuid() != 0 or not os.path.exists(_SYSTEM_PYTHON) or not shutil.which("setpriv"):
+        pytest.skip("needs root to start the gateway as another uid")
+    from tests.conftest import free_port, wait_for_port
+    from tests.sandbox.conftest import GW_TOKEN
+
+    port = free_port()
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    operator_src = Path(__file__).resolve().parents[2] / "operator"
+    env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN,
+           "PYTHONPATH": f"{operator_src}:{site}"}
+    as_user = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups"]
+    gw = subprocess.Popen([*as_user, _SYSTEM_PYTHON, "-m", "asyncgrpo.cli", "gateway", "--host", "127.0.0.1",
+                           "--port", str(port), "--members", "http://127.0.0.1:1"], env=env, cwd="/")
+    try:
+        wait_for_port(port, proc=gw)
+        r = subprocess.run([*as_user, "cat", f"/proc/{gw.pid}/environ"], capture_output=True, check=False)
+        assert GW_TOKEN.encode() not in r.stdout and TOKEN.encode() not in r.stdout
+        assert b"Permission denied" in r.stderr
+    finally:
+        gw.kill()
+        gw.wait()

@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from asyncgrpo.sandbox.challenge import reset_call
 from asyncgrpo.testing.net import free_port, wait_for_port
 
 TOKEN = "bench-sandbox-token"
@@ -80,7 +81,8 @@ async def run_direct(urls: list[str], groups: int, n: int, command: str) -> dict
             failed = 0
             for _ in range(groups):
                 failed += await execs(c, f"{url}/v1/exec", SECRET, n, command, lat)
-                await c.post(f"{url}/v1/reset", json={"lease_secret": SECRET}, headers=auth(TOKEN))
+                call = reset_call(TOKEN, url, SECRET)
+                await c.post(f"{url}/v1/reset", content=call.body, headers=call.headers)
             return failed
 
         failed = sum(await asyncio.gather(*(client(u) for u in urls)))
@@ -312,7 +314,8 @@ def main() -> int:
         most = max(counts)
         direct = [] if args.lease_ops_only else [servers.sandbox() for _ in range(most)]
         for url, _ in direct:
-            httpx.post(f"{url}/v1/reset", json={"lease_secret": SECRET}, headers=auth(TOKEN)).raise_for_status()
+            call = reset_call(TOKEN, url, SECRET)
+            httpx.post(f"{url}/v1/reset", content=call.body, headers=call.headers).raise_for_status()
         pooled = [servers.sandbox() for _ in range(most)]
         gw, gw_pid = servers.gateway([u for u, _ in pooled])
         wait_warm(gw, most)

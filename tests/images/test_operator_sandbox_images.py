@@ -62,10 +62,14 @@ def test_sandbox_serves_refuses_without_token_and_runs_as_its_uid(sandbox):
                     {"authorization": f"Bearer {TOKEN}"}):
         status, _ = containers.http("POST", f"{sandbox}/v1/exec", body, headers=headers)
         assert status == 401, headers
+    from asyncgrpo.sandbox.challenge import reset_call
+
     secret = "lease-secret-for-the-image-test"
-    status, out = containers.http("POST", f"{sandbox}/v1/reset", {"lease_secret": secret},
-                                  headers={"authorization": f"Bearer {TOKEN}"})
-    assert status == 200 and out["leased"], out
+    status, _ = containers.http("POST", f"{sandbox}/v1/reset", {}, headers={"authorization": f"Bearer {TOKEN}"})
+    assert status == 401  # the token itself is never accepted on the wire
+    call = reset_call(TOKEN, sandbox, secret)
+    status, out = containers.http("POST", f"{sandbox}/v1/reset", {}, headers=call.headers)
+    assert status == 200 and out["leased"] and call.proven_by(out), out
     lease = {"authorization": f"Bearer {secret}"}
     status, out = containers.http("POST", f"{sandbox}/v1/exec", body, headers=lease)
     assert status == 200, out

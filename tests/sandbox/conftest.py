@@ -26,8 +26,13 @@ _BASES: list[Path] = []
 @pytest.fixture(autouse=True, scope="session")
 def _remove_workspaces():
     yield
-    for base in _BASES:
-        shutil.rmtree(base, ignore_errors=True)
+    from asyncgrpo.sandbox.workspace import _remove
+
+    for base in _BASES:  # iterative: a test may leave a tree nested thousands deep
+        try:
+            _remove(str(base))
+        except OSError:
+            shutil.rmtree(base, ignore_errors=True)
 GW_TOKEN = "gateway-test-token-9876543210"
 
 
@@ -117,10 +122,14 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: st
 
 
 def reset(sb: Proc, secret: str | None = LEASE) -> dict:
-    """The gateway's control call: revoke the lease, wipe, install `secret` as the next one."""
-    body = {"lease_secret": secret} if secret else None
-    r = httpx.post(f"{sb.url}/v1/reset", json=body, headers={"authorization": f"Bearer {TOKEN}"}, timeout=120)
+    """The gateway's control call: revoke the lease, wipe, install `secret` as the next one
+    (sealed in the reset credential); the answer must prove the server knows the token."""
+    from asyncgrpo.sandbox.challenge import reset_call
+
+    call = reset_call(TOKEN, sb.url, secret)
+    r = httpx.post(f"{sb.url}/v1/reset", content=call.body, headers=call.headers, timeout=120)
     r.raise_for_status()
+    assert call.proven_by(r.content), r.text
     return r.json()
 
 

@@ -56,12 +56,16 @@ def register(subparsers) -> None:
     _add(serve, "--template", E + "TEMPLATE", None,
          help_="read-only directory copied into each session (the task's initial files)")
     _add(serve, "--token-file", E + "TOKEN_FILE", None, help_=f"file holding the token instead of {SANDBOX_TOKEN_ENV}")
-    _add(serve, "--command-uid", E + "COMMAND_UID", 65534, int,
-         help_="uid commands run as when the server starts as root (ignored otherwise)")
-    _add(serve, "--command-gid", E + "COMMAND_GID", 65534, int, help_="gid for commands, as above")
+    _add(serve, "--command-uid", E + "COMMAND_UID", "auto", _uid_arg,
+         help_="uid commands run as when the server starts as root (ignored otherwise); auto: a uid "
+               "of this server's own, from a range no other sandbox server on the machine holds")
+    _add(serve, "--command-gid", E + "COMMAND_GID", "auto", _uid_arg,
+         help_="gid for commands, as above; auto: the same number as the uid (a group of its own)")
     _add(serve, "--max-procs", E + "MAX_PROCS", 512, int, help_="RLIMIT_NPROC of commands (fork bombs)")
     _add(serve, "--max-file-bytes", E + "MAX_FILE_BYTES", 1 << 30, int, help_="RLIMIT_FSIZE of commands")
-    _add(serve, "--max-memory-bytes", E + "MAX_MEMORY_BYTES", 0, int, help_="RLIMIT_AS of commands; 0: none")
+    _add(serve, "--max-memory-bytes", E + "MAX_MEMORY_BYTES", -1, int,
+         help_="RLIMIT_AS of each command; 0: none; -1: --cgroup-memory-bytes when the server could "
+               "make no cgroup and is not PID 1 of a pod's namespace (a local process), else none")
     _add(serve, "--cgroup-memory-bytes", E + "CGROUP_MEMORY_BYTES", 2 << 30, int,
          help_="memory of all commands together, in a cgroup the server creates where it can "
                "(root, writable cgroup fs); else the pod's limit bounds them; 0: no cgroup")
@@ -81,6 +85,10 @@ def register(subparsers) -> None:
     _add(serve, "--max-concurrent-execs", E + "MAX_CONCURRENT_EXECS", 64, int,
          help_="execs running at once; more wait their turn")
     _add(serve, "--shell", E + "SHELL", "/bin/bash")
+    _add(serve, "--wipe-dirs", E + "WIPE_DIRS", "/tmp,/dev/shm,/dev/mqueue",
+         help_="shared scratch directories a reset empties of what commands left there (root: entries "
+               "of the command uid; non-root: entries of the server's uid, only as PID 1 of a pod's "
+               "namespace, where nothing else lives); empty: none")
     serve.set_defaults(func=serve_sandbox)
 
     gw = subparsers.add_parser("gateway", help="the per-run gateway that leases sandboxes to rollout groups")
@@ -115,12 +123,23 @@ def register(subparsers) -> None:
     gw.set_defaults(func=serve_gateway)
 
 
+def _uid_arg(value: str) -> int | None:
+    return None if str(value) == "auto" else int(value)
+
+
 def _uvicorn_run(app, host: str, port: int) -> int:
+    import uvicorn
+
+    uvicorn.Server(_uvicorn_config(app, host, port)).run()
+    return 0
+
+
+def _uvicorn_config(app, host: str, port: int, **extra):
     import uvicorn
 
     from asyncgrpo.sandbox.http_guard import header_timeout_protocol
 
-    uvicorn.run(
+    return uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -136,39 +155,64 @@ def _uvicorn_run(app, host: str, port: int) -> int:
         loop="asyncio",
         backlog=4096,
         h11_max_incomplete_event_size=64 * 1024,  # caps request line + headers
+        **extra,
     )
-    return 0
 
 
 def serve_sandbox(args: argparse.Namespace) -> int:
-    from asyncgrpo.sandbox.process import CommandLimits, harden_server_process, inherit_limits
-    from asyncgrpo.sandbox.server import ServerSettings, create_app
+    import asyncio
+
+    import uvicorn
+
+    from asyncgrpo.sandbox.cgroup import CommandCgroup
+    from asyncgrpo.sandbox.process import (
+        CommandLimits,
+        allocate_command_uid,
+        find_launcher,
+        harden_server_process,
+        inherit_limits,
+        kill_uid,
+    )
+    from asyncgrpo.sandbox.server import SandboxServer, ServerSettings
+    from asyncgrpo.sandbox.stopping import StopSignals
 
     token = read_token(SANDBOX_TOKEN_ENV, args.token_file)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    log = logging.getLogger("asyncgrpo.sandbox")
     as_root = os.geteuid() == 0
     if as_root and (args.command_uid == 0 or args.command_gid == 0):
         raise SystemExit("sandbox: --command-uid/--command-gid 0 would run commands as root, with the "
                          "server's rights over its own files and token; give an unprivileged id")
+    uid = gid = None
+    if as_root:
+        # a uid of this server's own: another sandbox's commands can neither read its files,
+        # signal its commands, read their environment nor share its RLIMIT_NPROC budget
+        uid = args.command_uid if args.command_uid is not None else allocate_command_uid()
+        gid = args.command_gid if args.command_gid is not None else uid
+        kill_uid(uid)  # leftovers of a server that held this uid and died
+    cgroup = CommandCgroup.create(args.cgroup_memory_bytes, args.cgroup_pids) if as_root else None
+    memory = args.max_memory_bytes
+    if memory < 0:  # no cgroup and not a pod: bound each command's address space instead
+        memory = args.cgroup_memory_bytes if cgroup is None and os.getpid() != 1 else 0
     limits = CommandLimits(
         max_procs=args.max_procs,
         max_file_bytes=args.max_file_bytes,
-        max_memory_bytes=args.max_memory_bytes,
-        uid=args.command_uid if as_root else None,
-        gid=args.command_gid if as_root else None,
+        max_memory_bytes=memory,
+        uid=uid,
+        gid=gid,
+        launcher=find_launcher(),
     )
     if limits.uid is not None:
         _check_traversable(args.workspace, limits.uid, limits.gid)
     limits = inherit_limits(limits)
     hardening = harden_server_process()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from asyncgrpo.sandbox.cgroup import CommandCgroup
-
-    cgroup = CommandCgroup.create(args.cgroup_memory_bytes, args.cgroup_pids) if as_root else None
-    logging.getLogger("asyncgrpo.sandbox").info(
-        "sandbox server on %s:%s workspace=%s commands as %s hardening=%s cgroup=%s",
+    wipe_dirs = [d for d in args.wipe_dirs.split(",") if d.strip()] if args.wipe_dirs else []
+    log.info(
+        "sandbox server on %s:%s workspace=%s commands as %s hardening=%s cgroup=%s rlimit_as=%s launcher=%s",
         args.host, args.port, args.workspace,
         f"uid {limits.uid}" if as_root else "the server's uid", hardening,
-        cgroup.describe() if cgroup else "none (the pod's limits bound commands)",
+        cgroup.describe() if cgroup else "none (the pod's limits bound commands)", memory or "none",
+        limits.launcher,
     )
     settings = ServerSettings(
         workspace=args.workspace,
@@ -184,8 +228,29 @@ def serve_sandbox(args: argparse.Namespace) -> int:
         shell=args.shell,
         limits=limits,
         cgroup=cgroup,
+        wipe_dirs=wipe_dirs,
     )
-    return _uvicorn_run(create_app(settings), args.host, args.port)
+    sandbox = SandboxServer(settings)
+    server = uvicorn.Server(_uvicorn_config(sandbox.asgi(), args.host, args.port, timeout_graceful_shutdown=10))
+
+    async def stop() -> None:
+        if server.should_exit:
+            server.force_exit = True
+            return
+        await sandbox.stop()  # every command is dead before the listener closes
+        server.should_exit = True
+
+    def on_stop(_signum: int) -> None:
+        loop = sandbox.loop
+        if loop is None:  # not serving yet: no command exists, nothing to stop first
+            os._exit(0)
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(stop()))
+
+    if limits.launcher is None:
+        log.warning("no GNU env on the PATH: commands start without a launcher (see docs/sandboxes.md)")
+    StopSignals(on_stop, command_uid=limits.uid).install()
+    server.run()
+    return 0
 
 
 def _check_traversable(path: str, uid: int, gid: int | None) -> None:
@@ -218,10 +283,16 @@ def _check_traversable(path: str, uid: int, gid: int | None) -> None:
 def serve_gateway(args: argparse.Namespace) -> int:
     from asyncgrpo.sandbox.gateway import create_gateway
     from asyncgrpo.sandbox.members import member_source_from_args
+    from asyncgrpo.sandbox.process import make_non_dumpable
 
     token = read_token(GATEWAY_TOKEN_ENV, args.token_file)
     sandbox_token = read_token(SANDBOX_TOKEN_ENV, args.sandbox_token_file)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    # popping the tokens from os.environ leaves them in /proc/<pid>/environ (the initial
+    # environment block): non-dumpable makes that file root's, so a sandbox command under
+    # the same uid (non-root local mode) cannot read either token
+    if not make_non_dumpable():
+        logging.getLogger("asyncgrpo.gateway").warning("could not make the gateway non-dumpable")
     try:
         settings = _gateway_settings(args, token, sandbox_token)
     except ValueError as err:

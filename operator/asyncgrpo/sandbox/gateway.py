@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from asyncgrpo.sandbox.challenge import reset_call
 from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
 from asyncgrpo.sandbox.messages import (
     EXEC_STREAM_TYPE,
@@ -108,7 +109,8 @@ class _Upstream:
     """
 
     def __init__(self, token: str):
-        self.headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+        # no credential by default: health checks carry none, a reset its own (challenge)
+        self.headers = {"content-type": "application/json"}
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -118,11 +120,14 @@ class _Upstream:
         )
 
     async def request(self, method: str, url: str, timeout: float, body=None,
-                      secret: str | None = None, content_type: str | None = None) -> tuple[int, bytes]:
-        """`secret`: a lease's, replacing the run token (the data calls of that lease);
-        `body`: bytes, or an async iterator of bytes sent as it comes (a streamed exec)."""
+                      secret: str | None = None, content_type: str | None = None,
+                      headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """`secret`: a lease's (the data calls of that lease); `headers`: e.g. a reset's
+        credential; `body`: bytes, or an async iterator of bytes sent as it comes (a streamed exec)."""
         t = aiohttp.ClientTimeout(total=timeout, sock_connect=5.0)
-        headers = {"authorization": f"Bearer {secret}"} if secret else {}
+        headers = dict(headers or {})
+        if secret:
+            headers["authorization"] = f"Bearer {secret}"
         if content_type:
             headers["content-type"] = content_type
         async with self.session.request(method, url, data=body, timeout=t, headers=headers or None) as r:
@@ -221,11 +226,17 @@ class Gateway:
     async def reset_member(self, m: Member) -> bool:
         """Reset the sandbox and install the secret of its next lease (one reset, one secret)."""
         secret = secrets.token_urlsafe(32)
-        body = b'{"lease_secret": "' + secret.encode() + b'"}'
+        # the token is never sent: the credential is made with it, the secret rides sealed,
+        # and the answer must prove the sandbox knows the token (asyncgrpo.sandbox.challenge)
+        call = reset_call(self.settings.sandbox_token, m.url, secret)
         m.next_secret = None
         try:
-            status, _ = await self.http.request("POST", f"{m.url}/v1/reset", self.settings.reset_timeout_seconds,
-                                                body)
+            status, answer = await self.http.request("POST", f"{m.url}/v1/reset", self.settings.reset_timeout_seconds,
+                                                     call.body, headers=call.headers)
+            if status == 200 and not call.proven_by(answer):
+                log.warning("reset of %s: the answer does not prove the sandbox token: not a sandbox of ours",
+                            m.name)
+                return False
             if status == 200:
                 m.next_secret = secret
             return status == 200

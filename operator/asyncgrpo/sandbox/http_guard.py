@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 OPEN_PATHS: frozenset[str] = frozenset({"/healthz", "/metrics"})
 GRANT_SCOPE_KEY = "asyncgrpo.grant"
+#: on every answer sent before the request's body was read to its end (a refusal, a streamed
+#: exec whose command exited or whose lease ended): uvicorn then closes the connection right
+#: after the answer instead of reading (and discarding) the rest of the body to reuse it
+CLOSE = (b"connection", b"close")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Grant:
     kind: str
     generation: int = 0
     lease_id: str = ""
+    ticket: object | None = None  # the sandbox's reset: the opened credential (`challenge.ResetTicket`)
 
 
 class Refused(Exception):
@@ -117,26 +122,42 @@ class GuardMiddleware:
                 grant = self.authorize(scope["path"], bearer(headers.get("authorization")))
             except Refused as err:
                 self.on_reject(err.error)
-                return await _send_json(send, err.status, {"error": err.error, "detail": err.detail})
+                return await _send_json(send, err.status, {"error": err.error, "detail": err.detail}, [CLOSE])
             if grant is None:
                 self.on_reject("unauthorized")
                 return await _send_json(
                     send, 401, {"error": "unauthorized", "detail": "missing or wrong bearer token"},
-                    [(b"www-authenticate", b"Bearer")],
+                    [(b"www-authenticate", b"Bearer"), CLOSE],
                 )
             scope[GRANT_SCOPE_KEY] = grant
         if self.streamed(scope["path"]):
             # the handler reads the body as it arrives (a streamed exec's stdin): no cap on
-            # its size here, each chunk still within the body timeout
-            return await self.app(scope, self._timed(receive), send)
+            # its size here, each chunk still within the body timeout; an answer sent before
+            # the body's end closes the connection (no byte of the rest is read)
+            ended = False
+
+            async def tracked():
+                nonlocal ended
+                message = await self._timed(receive)()
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    ended = True
+                return message
+
+            async def closing_send(message):
+                if message["type"] == "http.response.start" and not ended:
+                    message = {**message, "headers": [*message.get("headers", []), CLOSE]}
+                await send(message)
+
+            return await self.app(scope, tracked, closing_send)
         declared = headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
                 self.on_reject("bad_length")
-                return await _send_json(send, 400, {"error": "bad_request", "detail": "bad Content-Length"})
+                return await _send_json(send, 400, {"error": "bad_request", "detail": "bad Content-Length"},
+                                        [CLOSE])
             if int(declared) > self.max_body_bytes:
                 self.on_reject("too_large")
-                return await _send_json(send, 413, self._too_large())
+                return await _send_json(send, 413, self._too_large(), [CLOSE])
         body = bytearray()
         more = True
         while more:
@@ -148,14 +169,14 @@ class GuardMiddleware:
                 self.on_reject("body_timeout")
                 return await _send_json(send, 408, {"error": "body_timeout",
                                                     "detail": f"body not received within {self.body_timeout:g}s"},
-                                        [(b"connection", b"close")])
+                                        [CLOSE])
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body_bytes:
                 self.on_reject("too_large")
-                return await _send_json(send, 413, self._too_large())
+                return await _send_json(send, 413, self._too_large(), [CLOSE])
         replayed = False
 
         async def replay():

@@ -23,9 +23,12 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import os
 import resource
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
@@ -39,8 +42,51 @@ _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+#: the signals that stop the server; blocked in every server thread (`stopping.StopSignals`
+#: reads them with their sender) and unblocked again in every command by its launcher
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
 class Revoked(Exception):
-    """The call's lease ended before the call could start."""
+    """The call's lease ended before the call could start (or the server is stopping)."""
+
+
+def find_launcher() -> str | None:
+    """GNU env, if it can start a command the way the server needs (`launch_argv`), else None."""
+    env = shutil.which("env")
+    if env is None:
+        return None
+    try:
+        ok = subprocess.run([env, "-C", "/", "--default-signal=TERM,INT", "true"], capture_output=True,
+                            timeout=10, check=False).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return env if ok else None
+
+
+def launch_argv(launcher: str, argv: list[str], cwd: str | None) -> list[str]:
+    """argv run through `env`, which, in the child and after the uid drop, unblocks the stop
+    signals (the server keeps them blocked) and changes into `cwd` (root mode).
+
+    The chdir must come after the drop: CPython's child changes directory before it calls
+    setuid, so as root it followed a symlink a command swapped in after the server checked the
+    path, into a directory only root may enter. Done by env as the command's uid, the kernel
+    checks the command's own rights. `env` takes leading NAME=VALUE words as assignments, so
+    a program whose name contains '=' is started through the shell's exec.
+    """
+    prefix = [launcher, *(["-C", cwd] if cwd is not None else []), "--default-signal=TERM,INT", "--"]
+    if "=" in argv[0]:
+        return [*prefix, "/bin/sh", "-c", 'exec "$0" "$@"', *argv]
+    return [*prefix, *argv]
+
+
+def check_executable(argv0: str, path: str | None) -> None:
+    """FileNotFoundError (400 spawn_failed) for a program that is not there, as a direct spawn gives."""
+    if "/" in argv0:
+        if not os.path.exists(argv0):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", argv0)
+    elif shutil.which(argv0, path=path) is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", argv0)
 
 
 @dataclass(frozen=True)
@@ -55,6 +101,9 @@ class CommandLimits:
     # True once `inherit_limits` set them on the server process itself: children inherit
     # them and no preexec_fn is needed, which lets CPython spawn with vfork (non-root mode)
     inherited: bool = False
+    # GNU env (`find_launcher`): starts each command (stop signals unblocked; in root mode
+    # the chdir after the uid drop). None: spawned directly, cwd by CPython (tests, old images)
+    launcher: str | None = None
 
 
 @dataclass
@@ -146,6 +195,43 @@ def use_pidfd_child_watcher() -> bool:
     return True
 
 
+def make_non_dumpable() -> bool:
+    """/proc/<pid>/environ and /mem become root's and ptrace is refused (same-uid readers)."""
+    return _prctl(_PR_SET_DUMPABLE, 0)
+
+
+#: root mode: each server takes a block of uids of its own (the first is its command uid;
+#: the rest are reserved for per-session uids), held by a lock file for the server's life
+COMMAND_UID_BASE = 1_900_000_000
+COMMAND_UID_BLOCK = 64
+COMMAND_UID_BLOCKS = 4096
+UID_LOCK_DIR = "/run/asyncgrpo-sandbox-uids"
+_held_uid_locks: list[int] = []
+
+
+def allocate_command_uid(lock_dir: str = UID_LOCK_DIR) -> int:
+    """The first uid of a block no other live server on this machine holds (root only).
+
+    A lock file per block, flock'ed and kept open (close-on-exec: commands do not inherit
+    it); the kernel drops the lock when the server dies, so a crashed server's block is
+    free again, and its leftover processes are killed by the next holder (`kill_uid`).
+    """
+    import fcntl
+
+    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+    for k in range(COMMAND_UID_BLOCKS):
+        uid = COMMAND_UID_BASE + k * COMMAND_UID_BLOCK
+        fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _held_uid_locks.append(fd)
+        return uid
+    raise SystemExit(f"sandbox: all {COMMAND_UID_BLOCKS} command uid blocks are held by running servers")
+
+
 def harden_server_process() -> dict[str, bool]:
     """Make this process a subreaper and non-dumpable.
 
@@ -181,8 +267,12 @@ def inherit_limits(limits: CommandLimits) -> CommandLimits:
     return dataclasses.replace(limits, inherited=True)
 
 
-def _child_setup(limits: CommandLimits) -> None:  # runs in the child between fork and exec
+def _child_setup(limits: CommandLimits, chdir: str | None = None) -> None:
+    """Runs in the child between fork and exec, after CPython dropped the uid (no launcher)."""
     _set_limits(limits, memory=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    if chdir is not None:
+        os.chdir(chdir)
 
 
 def _proc_table() -> dict[int, tuple[int, bytes]]:
@@ -276,6 +366,53 @@ def kill_all_descendants(tracked: set[int] | frozenset[int] = frozenset(), round
     return len(killed)
 
 
+def _uids(pid: int) -> tuple[int, ...]:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return tuple(int(x) for x in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Live processes whose real, effective, saved or file-system uid is `uid`."""
+    me = os.getpid()
+    return [pid for pid, (_ppid, state) in _proc_table().items()
+            if pid != me and state != b"Z" and uid in _uids(pid)]
+
+
+def kill_uid(uid: int, rounds: int = 10) -> int:
+    """SIGKILL every process of `uid` (root mode: the sandbox's own command uid), wherever it is.
+
+    A command's process that is no longer below the server (a server restarted after a
+    crash, or a double fork before the subreaper was set) is still found by its uid. Each
+    kill goes through a pidfd taken after the uid was read again, so a pid reused by
+    another process between the scan and the kill is never signalled.
+    """
+    killed: set[int] = set()
+    for _ in range(rounds):
+        found = processes_of_uid(uid)
+        if not found:
+            break
+        for pid in found:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                if uid in _uids(pid):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    killed.add(pid)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return len(killed)
+
+
 def reap_orphans(tracked: set[int] | frozenset[int] = frozenset()) -> int:
     """Reap zombie children we did not spawn ourselves (re-parented orphans).
 
@@ -306,6 +443,24 @@ class Runner:
     # held from fork until the pid is in `live`, so the orphan reaper never mistakes a
     # just-spawned child of ours (not yet tracked) for an orphan and steals its exit status
     _spawn_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    closed: bool = False  # the server is stopping: no command starts any more
+
+    def _kill_everything(self) -> int:
+        killed = kill_all_descendants(frozenset(self.live))
+        if self.limits.uid is not None:
+            killed += kill_uid(self.limits.uid)
+        return killed
+
+    def _anything_left(self) -> bool:
+        if descendants(os.getpid()):
+            return True
+        return self.limits.uid is not None and bool(processes_of_uid(self.limits.uid))
+
+    async def close(self, wait_seconds: float = 10.0) -> int:
+        """Stop for good: no command starts after this, and every one that ran is dead."""
+        async with self._spawn_lock:
+            self.closed = True
+        return await self.sweep(wait_seconds)
 
     async def reap(self) -> int:
         async with self._spawn_lock:
@@ -320,11 +475,11 @@ class Runner:
         system call before it dies, so the workspace is wiped only after this returns.
         """
         async with self._spawn_lock:
-            killed = kill_all_descendants(frozenset(self.live))
+            killed = self._kill_everything()
             deadline = time.monotonic() + wait_seconds
-            while descendants(os.getpid()) and time.monotonic() < deadline:
+            while self._anything_left() and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
-                killed += kill_all_descendants(frozenset(self.live))
+                killed += self._kill_everything()
             return killed
 
     async def run(
@@ -347,6 +502,8 @@ class Runner:
         lim = self.limits
         loop = asyncio.get_running_loop()
         async with self._spawn_lock:
+            if self.closed:
+                raise Revoked("the sandbox server is stopping")
             if not admit():
                 raise Revoked("the lease this call was made under has ended")
             with self.cgroup.spawning() if self.cgroup else contextlib.nullcontext():
@@ -406,6 +563,16 @@ class Runner:
 
 
 async def _spawn(loop, argv, cwd, env, stdin, lim: CommandLimits):
+    check_executable(argv[0], env.get("PATH"))
+    root = lim.uid is not None
+    if lim.launcher is not None:
+        # root: env changes directory as the command's uid (CPython's cwd= would do it as root)
+        argv, cwd = launch_argv(lim.launcher, argv, cwd if root else None), ("/" if root else cwd)
+        chdir_after_drop = None
+    else:
+        chdir_after_drop, cwd = (cwd, "/") if root else (None, cwd)
+    # without a launcher the child itself must unblock the stop signals it inherited
+    needs_preexec = lim.launcher is None or not lim.inherited or lim.max_memory_bytes > 0
     return await loop.subprocess_exec(
         lambda: _ExitAwareProtocol(loop),
         *argv,
@@ -418,8 +585,8 @@ async def _spawn(loop, argv, cwd, env, stdin, lim: CommandLimits):
         close_fds=True,
         user=lim.uid,
         group=lim.gid,
-        extra_groups=[] if lim.uid is not None else None,
-        preexec_fn=None if lim.inherited and not lim.max_memory_bytes else (lambda: _child_setup(lim)),
+        extra_groups=[] if root else None,
+        preexec_fn=(lambda: _child_setup(lim, chdir_after_drop)) if needs_preexec else None,
     )
 
 

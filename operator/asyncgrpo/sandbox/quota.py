@@ -18,7 +18,9 @@ gives is the cap plus what a command writes between two measurements.
 
 A directory the server cannot list (a command's `chmod 000`) is made listable again
 (the server owns the workspace, or runs as root); one that stays unreadable counts as
-over the cap: what cannot be measured is not trusted.
+over the cap: what cannot be measured is not trusted. So does every other error of the walk:
+a tree nested ~2,100 deep has paths longer than PATH_MAX (ENAMETOOLONG), and ignoring that
+error let a 64 MiB quota hold 100 MB. The walk is a loop over a list, never recursion.
 """
 
 from __future__ import annotations
@@ -54,11 +56,15 @@ def disk_usage(root: str) -> int:
                 continue
             except OSError as err:
                 raise Unmeasurable(err.errno, f"cannot list {top}: {err.strerror}") from err
+        except OSError as err:  # ENAMETOOLONG, ELOOP, EMFILE, ...: not measurable is over
+            raise Unmeasurable(err.errno, f"cannot list {top[:200]}...: {err.strerror}") from err
         for entry in entries:
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            except OSError as err:
+                raise Unmeasurable(err.errno, f"cannot stat in {top[:200]}...: {err.strerror}") from err
             if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
                 key = (st.st_dev, st.st_ino)
                 if key in seen:
@@ -110,7 +116,7 @@ class WorkspaceMeter:
     async def _walk(self) -> int:
         try:
             used = await asyncio.to_thread(disk_usage, self.root)
-        except Unmeasurable:
+        except Exception:  # noqa: BLE001 - Unmeasurable, or anything else: what cannot be measured is over
             used = self.max_bytes + 1
         finally:
             self._running = None

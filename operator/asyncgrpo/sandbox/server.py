@@ -47,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from asyncgrpo.sandbox.cgroup import CommandCgroup
+from asyncgrpo.sandbox.challenge import NonceLedger, ResetTicket, open_reset, proof
 from asyncgrpo.sandbox.http_guard import (
     Grant,
     GuardMiddleware,
@@ -71,6 +72,7 @@ from asyncgrpo.sandbox.messages import (
 from asyncgrpo.sandbox.metrics import SandboxMetrics
 from asyncgrpo.sandbox.process import CommandLimits, Revoked, Runner, use_pidfd_child_watcher
 from asyncgrpo.sandbox.quota import DEFAULT_MAX_WORKSPACE_BYTES, WorkspaceMeter
+from asyncgrpo.sandbox.residue import Residue
 from asyncgrpo.sandbox.workspace import PathRefused, QuotaExceeded, Workspace
 
 log = logging.getLogger("asyncgrpo.sandbox.server")
@@ -96,6 +98,9 @@ class ServerSettings:
     shell: str = "/bin/bash"
     limits: CommandLimits = field(default_factory=CommandLimits)
     cgroup: CommandCgroup | None = None  # memory and pids of all commands together, where possible
+    # shared scratch directories a reset empties of the sandbox's files (`residue.Residue`);
+    # the CLI's default is /tmp, /dev/shm and /dev/mqueue
+    wipe_dirs: list[str] = field(default_factory=list)
 
 
 def _decode(data: bytes) -> str:
@@ -132,7 +137,7 @@ class LeaseGate:
     """
 
     def __init__(self, token: str):
-        self._token = token.encode()
+        self._token_text = token
         self.generation = 0
         self._secret: bytes | None = None
         self._revoked: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -161,7 +166,9 @@ class LeaseGate:
         if presented is None:
             return None
         if path in CONTROL_PATHS:
-            return Grant("control") if hmac.compare_digest(presented.encode(), self._token) else None
+            # never the token itself: only a credential made with it (`challenge.reset_call`)
+            ticket = open_reset(self._token_text, presented)
+            return Grant("control", ticket=ticket) if ticket is not None else None
         if path not in DATA_PATHS:
             return None  # 401 before a 404: unknown paths reveal nothing
         if self._secret is not None and hmac.compare_digest(presented.encode(), self._secret):
@@ -215,6 +222,11 @@ class SandboxServer:
         self.meter = WorkspaceMeter(settings.workspace, settings.max_workspace_bytes)
         self.wipes = 0  # quota wipes so far: an exec that sees it change was running during one
         self.dirty = False  # written since the last measurement
+        self.nonces = NonceLedger()  # each reset credential opens once
+        self.loop: asyncio.AbstractEventLoop | None = None  # set while serving (stop signals)
+        residue_uid = limits.uid if limits.uid is not None else (os.getuid() if os.getpid() == 1 else None)
+        self.residue = Residue(residue_uid, tuple(settings.wipe_dirs),
+                               keep=tuple(p for p in (settings.workspace, settings.template) if p))
 
     # wiring ---------------------------------------------------------------------------
     def asgi(self) -> GuardMiddleware:
@@ -243,6 +255,7 @@ class SandboxServer:
 
     @asynccontextmanager
     async def _lifespan(self, _app):
+        self.loop = asyncio.get_running_loop()
         use_pidfd_child_watcher()
         tasks = [asyncio.create_task(self._reaper()), asyncio.create_task(self._quota_loop())]
         try:
@@ -455,20 +468,46 @@ class SandboxServer:
 
     # control ---------------------------------------------------------------------------
     async def reset(self, request: Request) -> dict:
-        """Revoke the lease, kill everything, wipe; then (optionally) admit the next lease."""
+        """Revoke the lease, kill everything, wipe; then (optionally) admit the next lease.
+
+        The credential was made with the run's token for this address, now, once
+        (`challenge`); the answer's `proof` shows the gateway this is the real server.
+        """
+        ticket: ResetTicket = grant_of(request).ticket
+        host, port = request.scope.get("server") or ("", 0)
+        if not ticket.fresh() or not ticket.addressed_to(host, port) or not self.nonces.admit(ticket.nonce):
+            self.metrics.rejected.labels(reason="unauthorized").inc()
+            raise ApiError(401, "unauthorized", "reset credential expired, replayed or for another sandbox",
+                           headers={"connection": "close"})
         raw = await request.body()
         req = await parse_body(request, ResetRequest) if raw.strip() else ResetRequest()
+        if req.lease_secret is not None:
+            raise ApiError(422, "invalid_request", "the next lease's secret travels sealed in the reset "
+                           "credential (asyncgrpo.sandbox.challenge), never in the body")
+        secret = ticket.lease_secret
+        if secret is not None and len(secret) < 16:
+            raise ApiError(422, "invalid_request", "a lease secret is at least 16 characters")
         t0 = time.monotonic()
         async with self.reset_lock:
             self.gate.revoke()  # from here no call of the old lease is admitted, nor starts
             killed = await self.runner.sweep()
             await asyncio.to_thread(self.workspace.reset)
-            if req.lease_secret is not None:
-                self.gate.grant(req.lease_secret)
+            residue = await asyncio.to_thread(self.residue.remove)
+            if secret is not None:
+                self.gate.grant(secret)
         self.metrics.resets.inc()
         self.metrics.reset_seconds.observe(time.monotonic() - t0)
         return {"killed_processes": killed, "duration_seconds": round(time.monotonic() - t0, 6),
-                "leased": self.gate.leased}
+                "leased": self.gate.leased, "removed": residue,
+                "proof": proof(self.settings.token, ticket.nonce)}
+
+    async def stop(self) -> int:
+        """A trusted stop signal: revoke the lease and kill every command, for good, before the
+        listener closes, so no process of the sandbox is left to take the port."""
+        self.gate.revoke()
+        killed = await self.runner.close()
+        log.warning("stopping: %d command processes killed, no command starts any more", killed)
+        return killed
 
     async def healthz(self) -> dict:
         s = self.settings

@@ -58,6 +58,8 @@ class Workspace:
     def __post_init__(self) -> None:
         os.makedirs(self.root, exist_ok=True)
         self._chown(self.root)
+        if self.uid is not None:  # root mode: no other uid (another sandbox's) may enter
+            os.chmod(self.root, 0o700)
 
     # sessions ---------------------------------------------------------------
     def session_dir(self, session: str | None) -> str:
@@ -75,7 +77,7 @@ class Workspace:
 
     def _create_session(self, path: str) -> None:
         staging = f"{path}.creating-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
         if self.template and os.path.isdir(self.template):
             shutil.copytree(self.template, staging, symlinks=True)
         else:
@@ -84,14 +86,17 @@ class Workspace:
         try:
             os.rename(staging, path)
         except OSError as err:  # a concurrent request created it first
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove(staging)
             if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
 
     def reset(self) -> None:
         """Remove everything under the root; sessions come back from the template on use."""
-        for name in os.listdir(self.root):
-            _remove(os.path.join(self.root, name))
+        fd = os.open(self.root, _DIR_FLAGS)
+        try:
+            clear_directory(fd)
+        finally:
+            os.close(fd)
 
     # confined file access ----------------------------------------------------
     def _open_parent(self, session: str | None, parts: list[str], create: bool) -> int:
@@ -239,32 +244,128 @@ class Workspace:
 
 
 def _remove(path: str) -> None:
-    """Delete a tree a hostile command may have made hard to delete (chmod 000 dirs)."""
+    """Delete a file or a tree a hostile command made (see `remove_entry`)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    pfd = os.open(parent, _DIR_FLAGS)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(path)
-        return
+        remove_entry(pfd, name)
+    finally:
+        os.close(pfd)
 
-    def fix_and_retry(func, p, _exc):
-        parent = os.path.dirname(p)
+
+def _open_subdir(dfd: int, name: str) -> int:
+    """Open a subdirectory without following a symlink; one a command made unlistable
+    (`chmod 000`, owned by the server's uid or any as root) is made listable first."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dfd)
+    except PermissionError:
+        pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         try:
-            os.chmod(parent, 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
-            func(p)
+            if not stat.S_ISDIR(os.fstat(pfd).st_mode):
+                raise
+            os.chmod(f"/proc/self/fd/{pfd}", 0o700)  # the inode itself: an O_PATH fd never follows
+        finally:
+            os.close(pfd)
+        return os.open(name, _DIR_FLAGS, dir_fd=dfd)
+
+
+def _unlink(dfd: int, name: str, directory: bool = False) -> None:
+    op = (lambda: os.rmdir(name, dir_fd=dfd)) if directory else (lambda: os.unlink(name, dir_fd=dfd))
+    try:
+        op()
+    except FileNotFoundError:
+        pass
+    except PermissionError:  # the directory holding it was made read-only (chmod 500)
+        os.fchmod(dfd, 0o700)
+        try:
+            op()
         except FileNotFoundError:
             pass
 
-    os.chmod(path, 0o700)
-    for base, dirs, _files in os.walk(path):
-        for d in dirs:
-            full = os.path.join(base, d)
-            if not os.path.islink(full):
+
+def _scan(dfd: int) -> list[str]:
+    """Unlink every non-directory in the open directory; return its subdirectories' names."""
+    subdirs = []
+    with os.scandir(dfd) as it:
+        entries = list(it)
+    for entry in entries:
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if is_dir:
+            subdirs.append(entry.name)
+        else:
+            _unlink(dfd, entry.name)
+    return subdirs
+
+
+def clear_directory(top_fd: int) -> None:
+    """Remove everything inside the open directory `top_fd`, however deep, with O(1) fds.
+
+    Iterative, on a list rather than Python's stack (1,100 nested directories made the
+    recursive walks of `os.walk`/`shutil.rmtree` raise RecursionError and every reset
+    answer 500), by file descriptor rather than path (past ~2,000 levels a path is longer
+    than PATH_MAX), and with one directory open at a time: it goes back up through `..`,
+    checked against the parent's device and inode, so nothing a command could move
+    redirects it. Symlinks are unlinked, never followed.
+    """
+    top = os.fstat(top_fd)
+    cur, cur_id = os.dup(top_fd), (top.st_dev, top.st_ino)
+    above: list[tuple[str, tuple[int, int]]] = []  # (name in parent, parent's id) per level below top
+    pending = [_scan(cur)]  # subdirectories still to clear, per level
+    try:
+        while True:
+            if pending[-1]:
+                name = pending[-1].pop()
                 try:
-                    os.chmod(full, 0o700)
-                except OSError:
-                    pass
-    shutil.rmtree(path, onerror=fix_and_retry)
+                    child = _open_subdir(cur, name)
+                except FileNotFoundError:
+                    continue
+                except OSError as err:
+                    if err.errno not in (errno.ENOTDIR, errno.ELOOP):
+                        raise
+                    _unlink(cur, name)  # no longer a directory
+                    continue
+                st = os.fstat(child)
+                above.append((name, cur_id))
+                os.close(cur)
+                cur, cur_id = child, (st.st_dev, st.st_ino)
+                pending.append(_scan(cur))
+                continue
+            if not above:
+                return
+            name, parent_id = above.pop()
+            pending.pop()
+            parent = os.open("..", _DIR_FLAGS, dir_fd=cur)
+            pst = os.fstat(parent)
+            os.close(cur)
+            cur = parent
+            if (pst.st_dev, pst.st_ino) != parent_id:
+                raise OSError(errno.ESTALE, "a directory was moved while it was being removed")
+            cur_id = parent_id
+            try:
+                _unlink(cur, name, directory=True)
+            except OSError as err:
+                if err.errno != errno.ENOTEMPTY:  # something was added meanwhile: go again
+                    raise
+                pending[-1].append(name)
+    finally:
+        os.close(cur)
+
+
+def remove_entry(dfd: int, name: str) -> None:
+    """Remove `name` in the open directory `dfd`: a file, a symlink (not its target) or a tree."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        _unlink(dfd, name)
+        return
+    fd = _open_subdir(dfd, name)
+    try:
+        clear_directory(fd)
+    finally:
+        os.close(fd)
+    _unlink(dfd, name, directory=True)

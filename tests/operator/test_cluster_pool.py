@@ -107,3 +107,18 @@ def test_failed_and_unschedulable_sandboxes_are_reported_not_recreated(api, ns, 
     assert api.condition(ns, "sick", "SandboxesReady")["status"] == "False"
     assert watch_count(api, ns, "sick", 3) == 3  # not replaced, not deleted
     assert api.run(ns, "sick")["status"]["sandboxes"]["failed"] == 1
+
+
+def test_retired_sandboxes_are_deleted_and_replaced(api, ns, s3_server, peers):
+    """FreshPerGroup: the gateway reports the pods that served their group as `retired`; the
+    operator deletes them and creates replacements (new names), keeping busy + minWarm."""
+    api.create(pool_run(s3_server, ns, "fresh"))
+    wait_for(lambda: len(sandbox_pods(api, ns, "fresh")) == 2, what="minWarm pods")
+    start_gateway(api, ns, "fresh")
+    served = sorted(p["metadata"]["name"] for p in sandbox_pods(api, ns, "fresh"))
+    peers.set_json(f"/gw/{ns}/fresh/v1/demand", {
+        "busy": 0, "idle": 0, "waiting": 0, "starting": 0, "retired": 2,
+        "members": {n: "retired" for n in served}})
+    wait_for(lambda: not {p["metadata"]["name"] for p in sandbox_pods(api, ns, "fresh")} & set(served)
+             and len(sandbox_pods(api, ns, "fresh")) == 2, what="retired pods replaced")
+    assert watch_count(api, ns, "fresh", 2) == 2  # replaced, not piled up

@@ -5,8 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncgrpo.api.v1alpha1 import SandboxSpec
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun, SandboxSpec
 from asyncgrpo.controller.pool import Demand, Expectations, PodView, free_names, plan
+from tests.operator.helpers import example
 
 SPEC = SandboxSpec(min_warm=2, max=20, hard_cap=25, idle_ttl_seconds=60)
 
@@ -94,6 +95,27 @@ def test_gateway_unhealthy_pods_are_replaced():
     d = Demand(busy=0, members={"a": "warm", "b": "unhealthy"})
     p = plan(SPEC, live, set(), set(), d, 0)
     assert p.replace == ["b"] and p.create == 1
+
+
+def test_retired_pods_are_deleted_and_replaced_in_the_same_reconcile():
+    """FreshPerGroup: a pod that served its group is replaced at once, so the warm pool
+    refills at the rate groups consume it (minWarm 2: two warm kept beside the busy one)."""
+    live = pods("a", "b", "c", "d")
+    d = Demand(busy=1, members={"a": "busy", "b": "retired", "c": "retired", "d": "warm"})
+    p = plan(SandboxSpec(min_warm=2, max=10, hard_cap=10), live, set(), set(), d, 0)
+    assert p.replace == ["b", "c"] and p.create == 1 and p.live == 2
+
+
+def test_the_gateway_gets_the_lease_lifecycle():
+    from asyncgrpo.controller import gateway
+    run = AsyncGRPORun.model_validate(example("multi-turn-sandboxes.yaml"))
+    env = {e["name"]: e.get("value") for e in gateway.build_deployment(run)["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["ASYNCGRPO_GATEWAY_LIFECYCLE"] == "fresh"  # the default
+    run.spec.sandboxes.lifecycle = "Reuse"
+    env = {e["name"]: e.get("value") for e in gateway.build_deployment(run)["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["ASYNCGRPO_GATEWAY_LIFECYCLE"] == "reuse"
 
 
 def test_hard_cap_is_never_crossed():

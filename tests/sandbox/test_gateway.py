@@ -22,6 +22,8 @@ from tests.sandbox.conftest import (
     wait_until,
 )
 
+GROUP_KEY = "group-key-of-these-tests-0123456789"
+
 
 def demand(gw) -> dict:
     return httpx.get(f"{gw.url}/v1/demand", timeout=10).json()
@@ -45,8 +47,9 @@ def one_sandbox(tmp_path):
 def test_group_shares_one_lease_and_the_next_group_gets_a_reset_sandbox(one_sandbox):
     gw, _ = one_sandbox
     with gw_client(gw) as c:
-        first = c.post("/v1/leases", json={"group_id": "g1"}).json()
-        second = c.post("/v1/leases", json={"group_id": "g1"}).json()
+        # one group = one id under one key (the key is the group's credential, not the id)
+        first = c.post("/v1/leases", json={"group_id": "g1", "group_key": GROUP_KEY}).json()
+        second = c.post("/v1/leases", json={"group_id": "g1", "group_key": GROUP_KEY}).json()
         assert second["lease_id"] == first["lease_id"] and second["joined"] and second["holders"] == 2
         assert second["secret"] == first["secret"]
         lid = first["lease_id"]
@@ -257,7 +260,7 @@ def test_a_waiting_group_takes_one_sandbox_and_waiters_are_served_in_order(one_s
         got: dict[str, list] = {"early": [], "late": []}
 
         def ask(group: str) -> None:
-            r = c.post("/v1/leases", json={"group_id": group, "wait_seconds": 60})
+            r = c.post("/v1/leases", json={"group_id": group, "wait_seconds": 60, "group_key": GROUP_KEY})
             got[group].append(r.json())
 
         threads = [threading.Thread(target=ask, args=("early",)) for _ in range(3)]

@@ -447,6 +447,13 @@ class SandboxSpec(Model):
     exec_timeout_seconds: int = Field(
         default=60, ge=1, le=3600, description="Default timeout of one command in a sandbox."
     )
+    # gateway-pool (issue 23): the lease lifecycle
+    lifecycle: Literal["FreshPerGroup", "Reuse"] = Field(
+        default="FreshPerGroup",
+        description="FreshPerGroup: a sandbox pod serves one rollout group's lease and is then "
+        "deleted and replaced (the warm pool keeps leases fast); nothing a rollout leaves behind "
+        "(processes, /tmp, IPC, files) can reach the next group. Reuse: the pod is reset and "
+        "leased to the next group; cheaper, for trusted workloads only.")
     network: SandboxNetworkSpec = Field(default_factory=SandboxNetworkSpec,
                                         description="Sandbox egress allow-list.")
     pod: PodSettings = Field(default_factory=PodSettings,

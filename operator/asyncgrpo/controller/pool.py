@@ -16,7 +16,10 @@ the second with AlreadyExists instead of adding pods; a random suffix would add 
 Pods Kubernetes reports failed or unschedulable stay counted until the pool shrinks: they
 are reported in the status and deleted first on scale-down, but never replaced in a
 create/fail loop. Pods the gateway reports unhealthy (a sandbox server that stopped
-answering) are deleted and replaced, as the sizing contract asks.
+answering) or retired (lifecycle FreshPerGroup: it served its one group) are deleted and
+replaced in the same reconcile, as the sizing contract asks. The operator deletes them, not
+the gateway: RBAC cannot narrow `delete` to the run's sandbox pods by label, so a gateway
+allowed to delete could delete every pod of the namespace; it stays read-only.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from asyncgrpo.sandbox.sizing import desired_pool_size
 
 #: Gateway member states (asyncgrpo.sandbox.pool) a pod may be drained and deleted in.
 DELETABLE_STATES = frozenset({"warm", "draining"})
+#: Gateway member states whose pods are deleted at once and replaced: out of service, or
+#: retired after serving their one group (lifecycle FreshPerGroup).
+REPLACED_STATES = frozenset({"unhealthy", "retired"})
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ def plan(spec: SandboxSpec, pods: list[PodView], pending_creates: set[str],
     if suspended:
         return Plan(0, [], sorted(p.name for p in live_pods), len(live_pods), 0)
     members = demand.members if demand else {}
-    replace = sorted(p.name for p in live_pods if members.get(p.name) == "unhealthy"
+    replace = sorted(p.name for p in live_pods if members.get(p.name) in REPLACED_STATES
                      and not (p.failed or p.unschedulable))
     counted = [p for p in live_pods if p.name not in replace]
     current = len(counted) + len(pending_creates)

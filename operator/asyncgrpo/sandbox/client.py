@@ -8,7 +8,11 @@ process's leases in one `/v1/heartbeats` call per interval); when the process di
 heartbeats stop and the gateway takes the sandbox back after its TTL.
 
 A lease is a capability: its `secret` is the credential of every call on it, and the
-gateway token is sent only to take a lease. When the gateway runs the direct data path the
+gateway token is sent only to take a lease. A group is this client's own: every lease
+request carries the client's group key (random per client unless given, or
+`ASYNCGRPO_GROUP_KEY` for the processes of one trainer that must share groups), and the
+gateway joins only requests with the same key to a group, so another client naming the
+same group id gets a group (and sandbox) of its own. When the gateway runs the direct data path the
 lease names the sandbox's address and execs and file calls go straight there; a call that
 gets no answer within its timeout plus the gateway's slack is reported to the gateway
 (`/lost`), which checks the sandbox and takes it out if it is down.
@@ -17,6 +21,7 @@ gets no answer within its timeout plus the gateway's slack is reported to the ga
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import weakref
 from collections.abc import Iterable
@@ -33,6 +38,9 @@ from asyncgrpo.sandbox.messages import (
     WriteResult,
 )
 from asyncgrpo.wire import GATEWAY_TOKEN_ENV, GATEWAY_URL_ENV
+
+#: a group key shared by the processes of one trainer (else each client makes its own)
+GROUP_KEY_ENV = "ASYNCGRPO_GROUP_KEY"
 
 _LEASE_GONE = frozenset({"lease_released", "lease_expired", "lease_unknown", "sandbox_lost", "lease_revoked"})
 
@@ -136,12 +144,15 @@ class GatewayClient:
     secret; another client's lease id is of no use to it, nor to anyone).
     """
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, client: httpx.Client | None = None):
+    def __init__(self, url: str | None = None, token: str | None = None, *, client: httpx.Client | None = None,
+                 group_key: str | None = None):
         self.url = (url or os.environ.get(GATEWAY_URL_ENV, "")).rstrip("/")
         token = token if token is not None else os.environ.get(GATEWAY_TOKEN_ENV, "")
         if not self.url:
             raise ValueError(f"no gateway URL: pass one or set {GATEWAY_URL_ENV}")
         self._control = {"authorization": f"Bearer {token}"}
+        # the credential of this client's groups: only requests carrying it join them
+        self._group_key = group_key or os.environ.get(GROUP_KEY_ENV) or secrets.token_urlsafe(32)
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
         self.http = client or httpx.Client(
@@ -163,7 +174,7 @@ class GatewayClient:
             self._leases.pop(lease.lease_id, None)
 
     def lease(self, group_id: str, wait_seconds: float | None = None) -> Lease:
-        body: dict = {"group_id": group_id}
+        body: dict = {"group_id": group_id, "group_key": self._group_key}
         if wait_seconds is not None:
             body["wait_seconds"] = wait_seconds
         timeout = httpx.Timeout((wait_seconds if wait_seconds is not None else 300.0) + 30.0, connect=10.0)

@@ -120,6 +120,11 @@ def register(subparsers) -> None:
     _add(gw, "--data-path", G + "DATA_PATH", "direct", help_="direct: clients call the leased sandbox "
          "themselves (the lease gives its address); proxied: through the gateway (when the "
          "trainer may not reach sandbox pods)")
+    _add(gw, "--lifecycle", G + "LIFECYCLE", "fresh", help_="fresh: a sandbox serves one group, then "
+         "is retired and its pod replaced by the operator; reuse: reset and leased again (trusted "
+         "workloads). A fixed --members list cannot be replaced and runs reuse")
+    _add(gw, "--max-waiters-per-client", G + "MAX_WAITERS_PER_CLIENT", 1024, int,
+         help_="lease requests one client address may have waiting; more are refused with 429")
     gw.set_defaults(func=serve_gateway)
 
 
@@ -316,4 +321,6 @@ def _gateway_settings(args: argparse.Namespace, token: str, sandbox_token: str):
         max_body_bytes=args.max_body_bytes,
         max_exec_seconds=args.max_exec_seconds,
         data_path=args.data_path,
+        lifecycle=args.lifecycle,
+        max_waiters_per_client=args.max_waiters_per_client,
     )

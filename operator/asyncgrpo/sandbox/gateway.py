@@ -14,7 +14,15 @@ sandbox's address, and the client sends execs and file calls straight there: the
 is off the data path. With `data_path="proxied"` (for clusters where the trainer may not
 reach sandbox pods) the gateway forwards them, the lease secret still being the credential.
 Every call on a lease (heartbeat, release, data calls) needs that lease's secret; the
-run-wide gateway token opens only the control calls (lease, pool listing, drain).
+run-wide gateway token opens only the control calls (lease, pool listing, drain). A group
+is joined only by a request carrying the group's own key (`group_key`, see `pool`): every
+holder of the run token can name any group id, so the id is no credential.
+
+Lifecycle (`lifecycle`): `fresh` (default) retires a sandbox once its group's lease ends;
+the operator deletes the pod and creates a new one, the warm pool absorbing the pod start.
+`reuse` resets it for the next group (trusted workloads only). A member source that cannot
+replace its members (a fixed `--members` list, the local backend) runs `reuse`, and says so
+in the demand signal and the log.
 """
 
 from __future__ import annotations
@@ -51,7 +59,17 @@ from asyncgrpo.sandbox.messages import (
     read_stream_head,
 )
 from asyncgrpo.sandbox.metrics import GatewayMetrics
-from asyncgrpo.sandbox.pool import LeaseGone, Member, NoSandbox, Pool
+from asyncgrpo.sandbox.pool import (
+    FRESH,
+    RETIRED,
+    REUSE,
+    LeaseGone,
+    Member,
+    NoSandbox,
+    Pool,
+    TooManyWaiters,
+    group_scope,
+)
 
 log = logging.getLogger("asyncgrpo.sandbox.gateway")
 
@@ -77,10 +95,16 @@ class GatewaySettings:
     max_exec_seconds: float = 600.0
     reset_timeout_seconds: float = 120.0
     data_path: str = "direct"  # or "proxied": see the module docstring
+    lifecycle: str = FRESH  # or REUSE: see the module docstring
+    max_waiters_per_client: int = 1024
 
     def __post_init__(self):
         if self.data_path not in ("direct", "proxied"):
             raise ValueError(f"data_path must be 'direct' or 'proxied', not {self.data_path!r}")
+        if self.lifecycle not in (FRESH, REUSE):
+            raise ValueError(f"lifecycle must be {FRESH!r} or {REUSE!r}, not {self.lifecycle!r}")
+        if self.max_waiters_per_client < 1:
+            raise ValueError("max_waiters_per_client must be at least 1")
 
 
 _GONE_ERRORS = {"released": "lease_released", "expired": "lease_expired", "sandbox_lost": "sandbox_lost",
@@ -154,11 +178,19 @@ class Gateway:
         self.source = source
         self.metrics = GatewayMetrics()
         self.http = _Upstream(settings.sandbox_token)
+        lifecycle = settings.lifecycle
+        if lifecycle == FRESH and not getattr(source, "replaces_members", False):
+            log.warning("lifecycle fresh needs members that are replaced once retired (sandbox pods); "
+                        "%s cannot, so sandboxes are reset and reused", type(source).__name__)
+            lifecycle = REUSE
         self.pool = Pool(
             reset_fn=self.reset_member,
+            retire_fn=self.retire_member,
             metrics=self.metrics,
             lease_ttl_seconds=settings.lease_ttl_seconds,
             lease_max_seconds=settings.lease_max_seconds,
+            lifecycle=lifecycle,
+            max_waiters_per_client=settings.max_waiters_per_client,
         )
         self._token = settings.token.encode()
 
@@ -244,6 +276,17 @@ class Gateway:
             log.warning("reset of %s failed: %s", m.name, err)
             return False
 
+    async def retire_member(self, m: Member) -> None:
+        """A retired sandbox (its one group is done): revoke that lease's secret there and stop
+        its commands at once, installing none, so the direct data path is closed before the
+        operator deletes the pod. Best effort: the pod is deleted either way."""
+        call = reset_call(self.settings.sandbox_token, m.url, None)  # revoke, install none
+        try:
+            await self.http.request("POST", f"{m.url}/v1/reset", self.settings.reset_timeout_seconds,
+                                    call.body, headers=call.headers)
+        except (TimeoutError, *_CONNECTION_ERRORS) as err:
+            log.info("revoking retired %s failed (it is deleted anyway): %s", m.name, err)
+
     async def healthy(self, m: Member) -> tuple[bool, str, bool]:
         """(answered 200, why not, whether it was only slow)."""
         try:
@@ -268,7 +311,7 @@ class Gateway:
 
     async def _health_loop(self) -> None:
         while True:
-            members = list(self.pool.members.values())
+            members = [m for m in self.pool.members.values() if m.state != RETIRED]
             if members:
                 await asyncio.gather(*(self.probe(m) for m in members), return_exceptions=True)
             await asyncio.sleep(self.settings.health_interval_seconds)
@@ -283,9 +326,13 @@ class Gateway:
         req = await parse_body(request, LeaseRequest)
         s, pool = self.settings, self.pool
         wait = min(s.max_wait_seconds if req.wait_seconds is None else req.wait_seconds, s.max_wait_seconds)
-        hit = pool.try_acquire(req.group_id)  # a join or a warm sandbox: no wait, no tasks
+        scope = group_scope(req.group_id, req.group_key)
+        hit = pool.try_acquire(req.group_id, scope=scope)  # a join or a warm sandbox: no wait, no tasks
         if hit is None:
-            acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait))
+            # the queue a wait goes in, and the bound it counts against: the caller's address
+            # (every client holds the same run token, so nothing it sends could name it)
+            client = request.client.host if request.client else ""
+            acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait, client=client, scope=scope))
             gone = asyncio.ensure_future(_until_disconnected(request))
             try:
                 # a client that hangs up while waiting gives its place in the queue up
@@ -298,6 +345,12 @@ class Gateway:
                 return Response(status_code=499)  # nobody reads it
             try:
                 hit = acquiring.result()
+            except TooManyWaiters as err:
+                return JSONResponse(
+                    {"error": "too_many_waiters",
+                     "detail": f"this client ({client}) already has {err.bound} lease requests waiting; "
+                               "wait for one to be served before asking again"},
+                    status_code=429, headers={"retry-after": "1"})
             except NoSandbox:
                 return JSONResponse(
                     {"error": "no_sandbox", "detail": f"no sandbox free within {wait:g}s", "demand": _small(pool)},
@@ -522,5 +575,5 @@ def create_gateway(settings: GatewaySettings, source) -> GuardMiddleware:
 
 def _small(pool: Pool) -> dict:
     d = pool.demand()
-    return {k: d[k] for k in ("busy", "idle", "waiting", "starting", "unhealthy")}
+    return {k: d[k] for k in ("busy", "idle", "waiting", "starting", "unhealthy", "retired")}
 

@@ -24,7 +24,11 @@ SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/names
 
 
 class StaticMembers:
-    """Local mode: a fixed list of sandbox base URLs; the name of each is its host:port."""
+    """Local mode: a fixed list of sandbox base URLs; the name of each is its host:port.
+
+    Nothing replaces a member of a fixed list, so the gateway runs such a pool `reuse`."""
+
+    replaces_members = False
 
     def __init__(self, urls: Iterable[str]):
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
@@ -50,7 +54,11 @@ def pod_member(pod, port: int) -> tuple[str, str | None]:
 
 
 class KubernetesPodWatch:
-    """Members from the pods matching `selector` in `namespace` (a list, then a watch)."""
+    """Members from the pods matching `selector` in `namespace` (a list, then a watch).
+
+    The operator deletes retired pods and creates new ones, so lifecycle `fresh` works."""
+
+    replaces_members = True
 
     def __init__(self, namespace: str, selector: str, port: int):
         if not selector:

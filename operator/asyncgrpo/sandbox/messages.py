@@ -105,6 +105,11 @@ class ResetRequest(_Strict):
 class LeaseRequest(_Strict):
     group_id: str = Field(min_length=1, max_length=256)
     wait_seconds: float | None = Field(None, ge=0)
+    group_key: str | None = Field(
+        None, min_length=16, max_length=256,
+        description="the credential of the group: requests naming the same group_id join one "
+        "lease only if they carry the same key (the gateway files the group under its digest); "
+        "without it the lease can be joined by nobody. A group id alone is no credential.")
 
 
 class HeldLease(_Strict):

@@ -50,12 +50,12 @@ class SandboxMetrics:
         )
         self.rejected = Counter(
             "asyncgrpo_sandbox_requests_rejected_total",
-            "Requests refused before a handler (unauthorized, too_large, bad_length).", ["reason"], registry=r,
+            "Requests refused (unauthorized, too_large, bad_length, too_many_waiters).", ["reason"], registry=r,
         )
 
 
 class GatewayMetrics:
-    STATES = ("starting", "warm", "busy", "resetting", "unhealthy", "draining")
+    STATES = ("starting", "warm", "busy", "resetting", "unhealthy", "draining", "retired")
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -82,6 +82,11 @@ class GatewayMetrics:
         )
         for start in ("warm", "cold"):
             self.lease_wait.labels(start=start)
+        self.retired = Counter(
+            "asyncgrpo_gateway_sandboxes_retired_total",
+            "Sandboxes that served their one group and wait for the operator to delete them "
+            "(lifecycle fresh): the rate the pool must be refilled at.", registry=r,
+        )
         self.leases_active = Gauge("asyncgrpo_gateway_leases_active", "Leases held now.", registry=r)
         self.leases_waiting = Gauge(
             "asyncgrpo_gateway_leases_waiting", "Lease requests waiting for a sandbox.", registry=r
@@ -104,5 +109,5 @@ class GatewayMetrics:
         )
         self.rejected = Counter(
             "asyncgrpo_gateway_requests_rejected_total",
-            "Requests refused before a handler (unauthorized, too_large, bad_length).", ["reason"], registry=r,
+            "Requests refused (unauthorized, too_large, bad_length, too_many_waiters).", ["reason"], registry=r,
         )

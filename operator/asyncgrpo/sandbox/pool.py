@@ -3,20 +3,33 @@
 Invariants (all state lives in one asyncio loop, so no locks; every transition is a
 method here and nothing else writes `state`):
 
-- a member is in exactly one state: starting -> resetting -> warm <-> busy -> resetting
-  -> warm ..., or unhealthy (taken out; probed until it answers again, then reset), or
-  draining (no new leases; the operator may delete it once it is not busy);
+- a member is in exactly one state: starting -> resetting -> warm -> busy, then with the
+  default lifecycle `fresh` -> retired (it served its one group: never leased again, the
+  operator deletes the pod and creates a new one), or with the opt-in `reuse` -> resetting
+  -> warm ...; or unhealthy (taken out; probed until it answers again, then reset, or retired
+  if it served a group under `fresh`), or draining (no new leases; the operator may delete
+  it once it is not busy). Under `fresh` a member serves at most one lease, whatever path
+  its lease ended by;
+- a group is named by its id *and* the credential that made it (the digest of the
+  request's `group_key`): a request naming the same id with another key (or none) is
+  another group, so a group id alone joins nothing; a request without a key is a group of
+  its own that nothing can join;
 - a group has at most one live lease; every member of the group that asks gets the same
   lease (`holders` counts them) and the lease ends when the last holder releases it, when
   no holder has called or heartbeated for `ttl` while no call is in flight, or at
   `max_age`; a lease that ended is remembered for a while so late callers get a clear
   "expired"/"released"/"sandbox_lost" rather than "unknown";
-- a sandbox is never handed out while dirty: every lease end goes through reset, and so
-  does every member's first appearance (a restarted gateway cannot know what ran before);
-- waiting requests are served first come, first served; the requests of one group that
-  arrive while the group waits share that one wait, so a group never takes two sandboxes;
-  a waiter that goes away (its client disconnected) leaves the queue, and a lease granted
-  to it in that instant is released again;
+- a sandbox is never handed out while dirty: every lease end goes through reset (or
+  retirement), and every member's first appearance through a reset (a restarted gateway
+  cannot know what ran before);
+- waiting requests queue per client (the caller's address): first come, first served within
+  a client, round-robin across clients, so one client's thousands of waiters delay another
+  client's group by at most one grant per waiting client; a client holds at most
+  `max_waiters_per_client` waits (more is `TooManyWaiters`, a 429). Every queue operation is
+  O(1) amortized (deques, lazy removal with compaction; counters instead of scans). The
+  requests of one group that arrive while the group waits share that one wait, so a group
+  never takes two sandboxes; a waiter that goes away (its client disconnected) leaves the
+  queue, and a lease granted to it in that instant is released again;
 - a lease is a capability: its secret is made by the gateway when the member is reset and
   installed in the sandbox by that reset, handed to exactly one lease, and dies with it
   (the sandbox revokes it at the next reset, before anything else). The lease id alone
@@ -36,9 +49,14 @@ from dataclasses import dataclass, field
 
 from asyncgrpo.sandbox.metrics import GatewayMetrics
 
-STARTING, RESETTING, WARM, BUSY, UNHEALTHY, DRAINING = (
-    "starting", "resetting", "warm", "busy", "unhealthy", "draining",
+STARTING, RESETTING, WARM, BUSY, UNHEALTHY, DRAINING, RETIRED = (
+    "starting", "resetting", "warm", "busy", "unhealthy", "draining", "retired",
 )
+STATES = (STARTING, RESETTING, WARM, BUSY, UNHEALTHY, DRAINING, RETIRED)
+#: lease lifecycles: a sandbox per group (default), or reset and reused (trusted workloads)
+FRESH, REUSE = "fresh", "reuse"
+#: how far back retirements count toward the consumption rate the operator refills at
+CONSUMPTION_WINDOW_SECONDS = 60.0
 
 
 class LeaseGone(Exception):
@@ -54,6 +72,33 @@ class NoSandbox(Exception):
     pass
 
 
+class TooManyWaiters(Exception):
+    """This client already has `max_waiters_per_client` lease requests waiting."""
+
+    def __init__(self, client: str, bound: int):
+        super().__init__(f"client {client} has {bound} lease requests waiting already")
+        self.client = client
+        self.bound = bound
+
+
+def group_scope(group_id: str, key: str | None) -> tuple[bytes, str]:
+    """Where a group's lease is filed: the group id under the digest of its key.
+
+    No key: a scope no other request can name, so the lease can be joined by nobody.
+    """
+    return (digest(key) if key else b"unkeyed:" + secrets.token_bytes(16), group_id)
+
+
+@dataclass(eq=False)
+class _Wait:
+    """One group's place in its client's queue; `done` once granted or abandoned."""
+
+    fut: asyncio.Future
+    scope: tuple[bytes, str]
+    client: str
+    done: bool = False
+
+
 @dataclass
 class Member:
     name: str
@@ -64,6 +109,7 @@ class Member:
     reason: str = ""
     since: float = field(default_factory=time.monotonic)
     drain: bool = False
+    served: bool = False  # held a lease once: under `fresh` it is never leased again
     # the secret the sandbox will accept for its next lease, set by the reset that installed it
     next_secret: str | None = field(default=None, repr=False)
 
@@ -79,6 +125,7 @@ class Lease:
     in_flight: int = 0
     waited_seconds: float = 0.0
     secret: str = field(default="", repr=False)
+    scope: tuple[bytes, str] = field(default=(b"", ""), repr=False)
 
     def opens(self, presented: str | None) -> bool:
         return bool(presented) and hmac.compare_digest(presented.encode(), self.secret.encode())
@@ -97,15 +144,29 @@ class Pool:
         lease_ttl_seconds: float,
         lease_max_seconds: float,
         clock: Callable[[], float] = time.monotonic,
+        lifecycle: str = FRESH,
+        retire_fn: Callable[[Member], Awaitable[None]] | None = None,
+        max_waiters_per_client: int = 1024,
     ):
+        if lifecycle not in (FRESH, REUSE):
+            raise ValueError(f"lifecycle must be {FRESH!r} or {REUSE!r}, not {lifecycle!r}")
         self.members: dict[str, Member] = {}
         self.leases: dict[str, Lease] = {}
-        self.by_group: dict[str, str] = {}
+        self.by_group: dict[tuple[bytes, str], str] = {}
         # lease id -> (how it ended, digest of its secret): late callers holding the secret
         # learn why; anyone else learns nothing
         self.ended: collections.OrderedDict[str, tuple[str, bytes]] = collections.OrderedDict()
-        self._waiters: collections.deque[tuple[asyncio.Future, str]] = collections.deque()
-        self._group_waits: dict[str, asyncio.Future] = {}
+        # the lease queue: per client a FIFO of waits, and a ring of the clients that have one
+        self._queues: dict[str, collections.deque[_Wait]] = {}
+        self._live: dict[str, int] = {}          # waits not done, per client
+        self._ring: collections.deque[str] = collections.deque()
+        self._waiting = 0                        # waits not done, all clients
+        self._group_waits: dict[tuple[bytes, str], _Wait] = {}
+        self.max_waiters_per_client = max_waiters_per_client
+        self.lifecycle = lifecycle
+        self._retire_fn = retire_fn
+        self.retired_total = 0
+        self._retired_at: collections.deque[float] = collections.deque()
         self._reset_fn = reset_fn
         self._tasks: set[asyncio.Task] = set()
         self.metrics = metrics
@@ -137,12 +198,12 @@ class Pool:
             return
         m.health_failures = 0
         if m.state in (STARTING, UNHEALTHY):
-            self._start_reset(m)
+            self._after_lease(m)
 
     def health_failed(self, name: str, reason: str, threshold: int) -> None:
         m = self.members.get(name)
-        if m is None or m.state in (STARTING, UNHEALTHY):
-            return  # starting pods are not failing yet; unhealthy ones are already out
+        if m is None or m.state in (STARTING, UNHEALTHY, RETIRED):
+            return  # starting pods are not failing yet; unhealthy and retired ones are out
         m.health_failures += 1
         if m.health_failures >= threshold:
             self.metrics.failures.labels(reason="health").inc()
@@ -151,7 +212,7 @@ class Pool:
     def lost(self, name: str, reason: str) -> None:
         """A proxied call could not reach the sandbox: out now, no waiting for health."""
         m = self.members.get(name)
-        if m is not None and m.state != UNHEALTHY:
+        if m is not None and m.state not in (UNHEALTHY, RETIRED):
             self.metrics.failures.labels(reason="lost").inc()
             self._take_out(m, reason)
 
@@ -160,10 +221,11 @@ class Pool:
         if m is None:
             return {"name": name, "known": False, "safe_to_delete": True}
         m.drain = True
-        if m.state in (WARM, STARTING, UNHEALTHY):
+        if m.state in (WARM, STARTING, UNHEALTHY):  # a retired one stays retired: deletable
             m.state = DRAINING
         self._publish()
-        return {"name": name, "known": True, "state": m.state, "safe_to_delete": m.state == DRAINING}
+        return {"name": name, "known": True, "state": m.state,
+                "safe_to_delete": m.state in (DRAINING, RETIRED)}
 
     def _take_out(self, m: Member, reason: str) -> None:
         if m.lease_id:
@@ -174,78 +236,141 @@ class Pool:
         self._publish()
 
     # -- leases -----------------------------------------------------------------
-    async def acquire(self, group_id: str, wait_seconds: float) -> tuple[Lease, bool]:
-        """Lease for `group_id`; True in the tuple if this call joined an existing lease."""
+    async def acquire(self, group_id: str, wait_seconds: float, *, key: str | None = None,
+                      client: str = "", scope: tuple[bytes, str] | None = None) -> tuple[Lease, bool]:
+        """Lease for the group (`group_id` under `key`); True in the tuple if this call joined
+        an existing lease. `client` names the queue the wait goes in (the caller's address)."""
+        scope = scope or group_scope(group_id, key)
         t0 = self.clock()
         deadline = t0 + wait_seconds
         while True:
-            hit = self.try_acquire(group_id, t0)
+            hit = self.try_acquire(group_id, t0, scope=scope)
             if hit is not None:
                 return hit
-            shared = self._group_waits.get(group_id)
+            shared = self._group_waits.get(scope)
             if shared is None:
                 break
             # another request of this group is waiting already: wait on its wait, then join
             try:
-                await asyncio.wait_for(asyncio.shield(shared), max(0.0, deadline - self.clock()))
+                await asyncio.wait_for(asyncio.shield(shared.fut), max(0.0, deadline - self.clock()))
             except TimeoutError:
                 self.metrics.lease_timeouts.inc()
                 raise NoSandbox(group_id) from None
             except asyncio.CancelledError:
-                if not shared.cancelled():
+                if not shared.fut.cancelled():
                     raise  # this request itself was cancelled
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiters.append((fut, group_id))
-        self._group_waits[group_id] = fut
-        self._publish()
+        w = self._enqueue(scope, client)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
+            await asyncio.wait_for(asyncio.shield(w.fut), max(0.0, deadline - self.clock()))
         except TimeoutError:
-            if not fut.done():
+            if not w.fut.done():
                 self.metrics.lease_timeouts.inc()
                 raise NoSandbox(group_id) from None
         except asyncio.CancelledError:
             # the requester went away; if a sandbox was granted in that instant, give it back
-            if fut.done() and not fut.cancelled():
-                lease = self.leases.get(fut.result())
+            if w.fut.done() and not w.fut.cancelled():
+                lease = self.leases.get(w.fut.result())
                 if lease is not None:
                     self.release(lease.id)
             raise
         finally:
-            if self._group_waits.get(group_id) is fut:
-                del self._group_waits[group_id]
-            if not fut.done():
-                fut.cancel()
-            self._waiters = collections.deque((f, g) for f, g in self._waiters if f is not fut)
-            self._publish()
-        lease = self.leases.get(fut.result())
+            if self._group_waits.get(scope) is w:
+                del self._group_waits[scope]
+            if not w.fut.done():
+                w.fut.cancel()
+            self._abandon(w)
+        lease = self.leases.get(w.fut.result())
         if lease is None:
             raise NoSandbox(group_id)
         self.metrics.lease_wait.labels(start="cold").observe(self.clock() - t0)
         return lease, False
 
-    def try_acquire(self, group_id: str, t0: float | None = None) -> tuple[Lease, bool] | None:
+    def _enqueue(self, scope: tuple[bytes, str], client: str) -> _Wait:
+        live = self._live.get(client, 0)
+        if live >= self.max_waiters_per_client:
+            self.metrics.rejected.labels(reason="too_many_waiters").inc()
+            raise TooManyWaiters(client, self.max_waiters_per_client)
+        w = _Wait(asyncio.get_running_loop().create_future(), scope, client)
+        q = self._queues.get(client)
+        if q is None:
+            q = self._queues[client] = collections.deque()
+            self._ring.append(client)
+        q.append(w)
+        self._live[client] = live + 1
+        self._waiting += 1
+        self._group_waits[scope] = w
+        self._publish_waiting()
+        return w
+
+    def _settle(self, w: _Wait) -> None:
+        """`w` leaves the live count (granted or abandoned); O(1)."""
+        w.done = True
+        left = self._live[w.client] - 1
+        if left:
+            self._live[w.client] = left
+        else:
+            del self._live[w.client]
+        self._waiting -= 1
+
+    def _abandon(self, w: _Wait) -> None:
+        """A wait that timed out or was cancelled: counted out now, removed from its deque
+        lazily (skipped when reached), the deque compacted once mostly dead (amortized O(1))."""
+        if w.done:
+            return
+        self._settle(w)
+        q = self._queues.get(w.client)
+        if q is not None and len(q) > 2 * self._live.get(w.client, 0) + 64:
+            alive = collections.deque(x for x in q if not x.done)
+            if alive:
+                self._queues[w.client] = alive
+            else:  # the ring entry of this client is dropped when the ring reaches it
+                del self._queues[w.client]
+        self._publish_waiting()
+
+    def _next_waiter(self) -> _Wait | None:
+        """The next live wait, round-robin across clients, FIFO within one."""
+        while self._ring:
+            client = self._ring.popleft()
+            q = self._queues.get(client)
+            while q and q[0].done:
+                q.popleft()
+            if not q:
+                self._queues.pop(client, None)
+                continue
+            w = q.popleft()
+            while q and q[0].done:
+                q.popleft()
+            if q:
+                self._ring.append(client)
+            else:
+                del self._queues[client]
+            return w
+        return None
+
+    def try_acquire(self, group_id: str, t0: float | None = None, *, key: str | None = None,
+                    scope: tuple[bytes, str] | None = None) -> tuple[Lease, bool] | None:
         """`acquire` without waiting: join the group's lease, or take a warm sandbox, or None.
 
         None as well while another request of the group waits (it must share that wait). A
-        warm sandbox never jumps the queue: one that turns warm goes to the oldest waiter at
+        warm sandbox never jumps the queue: one that turns warm goes to the next waiter at
         once (`_offer`), so while any request waits none is warm.
         """
+        scope = scope or group_scope(group_id, key)
         t0 = self.clock() if t0 is None else t0
-        lease = self._join(group_id)
+        lease = self._join(scope)
         if lease is not None:
             return lease, True
-        if group_id in self._group_waits:
+        if scope in self._group_waits:
             return None
         m = self._first_warm()
         if m is None:
             return None
-        lease = self._grant(m, group_id, t0)
+        lease = self._grant(m, scope, t0)
         self.metrics.lease_wait.labels(start="warm").observe(self.clock() - t0)
         return lease, False
 
-    def _join(self, group_id: str) -> Lease | None:
-        lease_id = self.by_group.get(group_id)
+    def _join(self, scope: tuple[bytes, str]) -> Lease | None:
+        lease_id = self.by_group.get(scope)
         if lease_id is None:
             return None
         lease = self.leases[lease_id]
@@ -258,28 +383,31 @@ class Pool:
         warm = [m for m in self.members.values() if m.state == WARM]
         return min(warm, key=lambda m: m.since) if warm else None
 
-    def _grant(self, m: Member, group_id: str, t0: float) -> Lease:
+    def _grant(self, m: Member, scope: tuple[bytes, str], t0: float) -> Lease:
         now = self.clock()
         if not m.next_secret:  # only a member whose reset installed a secret is ever warm
             raise RuntimeError(f"member {m.name} is warm without a lease secret")
-        lease = Lease(secrets.token_urlsafe(12), group_id, m.name, now, now, waited_seconds=now - t0,
-                      secret=m.next_secret)
+        if self.lifecycle == FRESH and m.served:
+            raise RuntimeError(f"member {m.name} served a group already")
+        lease = Lease(secrets.token_urlsafe(12), scope[1], m.name, now, now, waited_seconds=now - t0,
+                      secret=m.next_secret, scope=scope)
         m.next_secret = None  # one secret, one lease
+        m.served = True
         self.leases[lease.id] = lease
-        self.by_group[group_id] = lease.id
+        self.by_group[scope] = lease.id
         m.state, m.lease_id, m.since = BUSY, lease.id, now
         self._publish()
         return lease
 
     def _offer(self, m: Member) -> None:
-        """A sandbox became warm: give it to the oldest waiter still waiting."""
-        while self._waiters:
-            fut, group_id = self._waiters.popleft()
-            if fut.done():
-                continue
-            lease = self._grant(m, group_id, self.clock())
-            fut.set_result(lease.id)
+        """A sandbox became warm: give it to the next waiter still waiting."""
+        w = self._next_waiter()
+        if w is None:
             return
+        lease = self._grant(m, w.scope, self.clock())
+        self._settle(w)
+        w.fut.set_result(lease.id)
+        self._publish_waiting()
 
     def get(self, lease_id: str) -> tuple[Lease, Member]:
         lease = self.leases.get(lease_id)
@@ -331,8 +459,8 @@ class Pool:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return
-        if self.by_group.get(lease.group_id) == lease_id:
-            del self.by_group[lease.group_id]
+        if self.by_group.get(lease.scope) == lease_id:
+            del self.by_group[lease.scope]
         self.ended[lease_id] = (how, digest(lease.secret))
         while len(self.ended) > 100_000:
             self.ended.popitem(last=False)
@@ -341,8 +469,39 @@ class Pool:
         if m is not None and m.lease_id == lease_id:
             m.lease_id = None
             if reset:
-                self._start_reset(m)
+                self._after_lease(m)
         self._publish()
+
+    def _after_lease(self, m: Member) -> None:
+        """A member whose lease ended, or a taken-out one that answers again: fresh retires
+        what served a group, reuse resets it for the next."""
+        if self.lifecycle == FRESH and m.served:
+            self._retire(m)
+        else:
+            self._start_reset(m)
+
+    def _retire(self, m: Member) -> None:
+        """Never leased again; the operator deletes the pod (it lists `retired` members in the
+        demand) and creates the replacement. `retire_fn` revokes the ended lease's secret in
+        the sandbox and stops what still runs there, so nothing outlives the lease while
+        the pod waits for its deletion."""
+        m.state, m.since, m.next_secret = RETIRED, self.clock(), None
+        self.retired_total += 1
+        self._retired_at.append(m.since)
+        self.metrics.retired.inc()
+        self._publish()
+        if self._retire_fn is not None:
+            task = asyncio.get_running_loop().create_task(self._retire_fn(m))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def consumption_per_second(self) -> float:
+        """Sandboxes retired per second over the last `CONSUMPTION_WINDOW_SECONDS`: the rate
+        the operator must create pods at to keep the warm pool where it is."""
+        horizon = self.clock() - CONSUMPTION_WINDOW_SECONDS
+        while self._retired_at and self._retired_at[0] < horizon:
+            self._retired_at.popleft()
+        return len(self._retired_at) / CONSUMPTION_WINDOW_SECONDS
 
     def _start_reset(self, m: Member) -> None:
         m.state, m.since = RESETTING, self.clock()
@@ -372,23 +531,27 @@ class Pool:
 
     # -- the demand signal ------------------------------------------------------
     def counts(self) -> dict[str, int]:
-        c = dict.fromkeys((STARTING, RESETTING, WARM, BUSY, UNHEALTHY, DRAINING), 0)
+        c = dict.fromkeys(STATES, 0)
         for m in self.members.values():
             c[m.state] += 1
         return c
 
     def demand(self) -> dict:
         c = self.counts()
-        waiting = sum(1 for f, _ in self._waiters if not f.done())
         return {
             "busy": c[BUSY],
             # resetting sandboxes are idle within a second: counted idle so the scaler does
             # not create pods for a demand that is about to be met
             "idle": c[WARM] + c[RESETTING],
-            "waiting": waiting,
+            "waiting": self._waiting,
             "starting": c[STARTING],
             "unhealthy": c[UNHEALTHY],
             "draining": c[DRAINING],
+            # served their group (lifecycle fresh): the operator deletes and replaces them
+            "retired": c[RETIRED],
+            "retired_total": self.retired_total,
+            "consumption_per_second": round(self.consumption_per_second(), 4),
+            "lifecycle": self.lifecycle,
             "total": len(self.members),
             "leases_active": len(self.leases),
             "members": {m.name: m.state for m in self.members.values()},
@@ -399,11 +562,15 @@ class Pool:
         for state, n in self.counts().items():
             self.metrics.sandboxes.labels(state=state).set(n)
         self.metrics.leases_active.set(len(self.leases))
-        self.metrics.leases_waiting.set(sum(1 for f, _ in self._waiters if not f.done()))
+        self._publish_waiting()
+
+    def _publish_waiting(self) -> None:
+        self.metrics.leases_waiting.set(self._waiting)
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for fut, _ in self._waiters:
-            if not fut.done():
-                fut.cancel()
+        for q in self._queues.values():
+            for w in q:
+                if not w.fut.done():
+                    w.fut.cancel()

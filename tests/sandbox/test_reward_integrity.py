@@ -15,7 +15,6 @@ uid cannot reach), named by absolute path, as a task image's `python3` would be.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

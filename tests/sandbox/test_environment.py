@@ -35,11 +35,11 @@ ROW = {"prompt": [{"role": "user", "content": "Fix calc.py"}], "files": {"calc.p
 
 @pytest.fixture
 def gateway(tmp_path, monkeypatch):
-    sbs = [start_sandbox(tmp_path, f"env{i}") for i in range(2)]
+    sbs = [start_sandbox(tmp_path, f"env{i}") for i in range(3)]
     gw = start_gateway(tmp_path, [s.url for s in sbs], "--lease-ttl-seconds", "10",
                        "--health-interval-seconds", "0.3")
     monkeypatch.setenv("ASYNCGRPO_GATEWAY_TOKEN", GW_TOKEN)
-    wait_until(lambda: httpx.get(f"{gw.url}/v1/demand").json()["idle"] == 2, 30, what="pool warm")
+    wait_until(lambda: httpx.get(f"{gw.url}/v1/demand").json()["idle"] == 3, 30, what="pool warm")
     yield gw
     gw.stop()
     for s in sbs:
@@ -72,7 +72,7 @@ def test_tools_are_what_trl_and_transformers_can_describe():
         SandboxEnvironmentFactory(num_generations=2, tools=["rm_rf"])
 
 
-def test_a_group_shares_one_lease_with_private_sessions_and_is_scored_by_its_tests(gateway):
+def test_each_rollout_of_a_group_has_its_own_sandbox_and_is_scored_by_its_tests(gateway):
     factory = pickle.loads(pickle.dumps(SandboxEnvironmentFactory(
         num_generations=3, gateway_url=gateway.url, heartbeat_seconds=0.5, timeout_seconds=2,
         max_output_bytes=1000)))
@@ -92,14 +92,14 @@ def test_a_group_shares_one_lease_with_private_sessions_and_is_scored_by_its_tes
     assert results[1] == [CALC, "exit code: 0\nstdout:\n-1"]  # its own session: unfixed
     assert results[2][1] == "def broken(:\n"
     d = demand(gateway)
-    assert d["leases_active"] == 1 and d["busy"] == 1
+    assert d["leases_active"] == 3 and d["busy"] == 3  # a sandbox per rollout: siblings isolated
 
     rewards = [envs[0].get_reward(), envs[1].get_reward()]
     assert demand(gateway)["leases_active"] == 1  # the third rollout still runs
     rewards.append(envs[2].get_reward())
     assert rewards == [1.0, 0.5, 0.0]
-    wait_until(lambda: demand(gateway)["leases_active"] == 0 and demand(gateway)["idle"] == 2, 20,
-               what="lease released after the group's last rollout")
+    wait_until(lambda: demand(gateway)["leases_active"] == 0 and demand(gateway)["idle"] == 3, 20,
+               what="every rollout's lease released")
 
     # the next group starts from the row's files again, on a reset sandbox
     for env in envs:

@@ -35,6 +35,7 @@ from asyncgrpo.sandbox.messages import (
     ExecRequest,
     ExecResult,
     ReadResult,
+    ScoreResult,
     WriteResult,
 )
 from asyncgrpo.wire import GATEWAY_TOKEN_ENV, GATEWAY_URL_ENV
@@ -271,6 +272,17 @@ class GatewayClient:
         body = {"path": path, "content": content, "session": session}
         d = self._data(lease, "files/write", {"json": {k: v for k, v in body.items() if v is not None}})
         return WriteResult.model_validate(d)
+
+    def score(self, lease: Lease | str, command, *, files: dict[str, str], editable: list[str],
+              session: str | None = None, timeout_seconds: float | None = None,
+              max_output_bytes: int | None = None) -> ScoreResult:
+        """Run the row's tests where the rollout never ran (`/v1/score`); direct data path only."""
+        body = {"command": command, "files": files, "editable": list(editable), "session": session,
+                "timeout_seconds": timeout_seconds, "max_output_bytes": max_output_bytes}
+        lease = self._lease_of(lease)
+        d = self._data(lease, "score", {"json": {k: v for k, v in body.items() if v is not None}},
+                       _http_timeout(timeout_seconds, lease.exec_slack_seconds + 10.0))
+        return ScoreResult.model_validate(d)
 
     def demand(self) -> dict:
         return _raise_for(self.http.get(f"{self.url}/v1/demand"))

@@ -27,8 +27,11 @@ turns into an error result and counts as a tool failure.
 
 from __future__ import annotations
 
-import hashlib
+import collections
+import itertools
 import json
+import logging
+import re
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -42,7 +45,9 @@ from asyncgrpo.sandbox.client import (
     shared_client,
 )
 from asyncgrpo.sandbox.messages import ExecResult
-from asyncgrpo.sandbox.rewards import score_test_run
+from asyncgrpo.sandbox.rewards import prints_counts, score_test_run
+
+log = logging.getLogger("asyncgrpo.sandbox.environment")
 
 TOOL_NAMES = ("shell", "python", "read_file", "write_file")
 _LOST = "error: the sandbox was lost and its files with it; the next call starts a fresh sandbox"
@@ -70,49 +75,45 @@ class SandboxEnvConfig:
             raise ValueError("num_generations must be >= 1")
 
 
-class _Group:
-    def __init__(self, key: str, size: int):
-        self.key = key
-        self.size = size
-        self.joined = 0
-        self.ended = 0
-        self.lease_id: str | None = None
-        self.lock = threading.Lock()
+_PREFIX = uuid.uuid4().hex[:10]  # lease ids unique across processes and restarts
+_COUNT = itertools.count()
+SESSION = "work"  # every rollout has a sandbox of its own: one name, so identical calls read alike
+_TEST_NAME = re.compile(r"^(test_.*|.*_test\.py|conftest\.py)$")
+
+_FAILURES: collections.Counter[str] = collections.Counter()
+_FAILURES_LOCK = threading.Lock()
+try:  # the rollout child's default registry (served where the trainer serves it)
+    from prometheus_client import Counter as _PromCounter
+
+    _PROM_FAILURES = _PromCounter("asyncgrpo_harness_reward_failures",
+                                  "get_reward calls whose sandbox failed (scored as documented)", ["reason"])
+except Exception:  # noqa: BLE001 - no prometheus_client, or registered twice: the plain counter still counts
+    _PROM_FAILURES = None
 
 
-class _Groups:
-    """Process-wide: which group each reset belongs to, and each group's lease."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.prefix = uuid.uuid4().hex[:10]  # group ids unique across processes and restarts
-        self.count = 0
-        self.current: _Group | None = None
-        self.current_row: str | None = None
-
-    def join(self, size: int, row_key: str) -> tuple[_Group, int]:
-        with self.lock:
-            g = self.current
-            # a new group every `size` resets; also if the row changes early (defensive:
-            # should TRL ever interleave groups, we lose sharing, never correctness)
-            if g is None or g.joined >= size or row_key != self.current_row:
-                g = _Group(f"{self.prefix}-{self.count}", size)
-                self.count += 1
-                self.current, self.current_row = g, row_key
-            index = g.joined
-            g.joined += 1
-            return g, index
+def reward_failures(reason: str) -> int:
+    """get_reward calls of this process that failed for `reason` (sandbox_lost, sandbox_error,
+    workspace_full, no_sandbox, error)."""
+    with _FAILURES_LOCK:
+        return _FAILURES[reason]
 
 
-_GROUPS = _Groups()
+def _count_failure(reason: str, err: BaseException) -> None:
+    with _FAILURES_LOCK:
+        _FAILURES[reason] += 1
+    if _PROM_FAILURES is not None:
+        _PROM_FAILURES.labels(reason=reason).inc()
+    log.warning("get_reward: sandbox failure (%s): %s", reason, err)
+
+
+def is_test_path(path: str) -> bool:
+    """The default split of a row's files: test files (restored before scoring) vs editable."""
+    parts = [p for p in path.split("/") if p]
+    return any(p in ("test", "tests") for p in parts[:-1]) or bool(parts and _TEST_NAME.match(parts[-1]))
 
 
 def _client(url: str | None) -> GatewayClient:
     return shared_client(url)
-
-
-def _row_key(row: dict) -> str:
-    return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _format_exec(r: ExecResult, timeout: float) -> str:
@@ -134,47 +135,71 @@ class SandboxEnvironmentBase:
     def __init__(self, config: SandboxEnvConfig):
         self._config = config
         self._client = _client(config.gateway_url)
-        self._group: _Group | None = None
-        self._session = "r0"
+        self._session = SESSION
         self._files: dict[str, str] = {}
-        self._test_command: str | None = None
+        self._editable: list[str] = []
+        self._test_command: str | list | None = None
+        self._key: str | None = None
+        self._lease_id: str | None = None
         self._seeded_lease: str | None = None
         self._ended = True
+        self._lock = threading.Lock()
 
     def reset(self, **row) -> None:
-        """Start a rollout: join its group, remember the row's files and tests."""
+        """Start a rollout: remember the row's files, editable paths and tests (the sandbox comes at the first call)."""
         self._end_rollout()  # a rollout that ended without get_reward (an error) ends here
-        group, index = _GROUPS.join(self._config.num_generations, _row_key(row))
-        self._group, self._session, self._ended = group, f"r{index}", False
+        self._key, self._ended = f"{_PREFIX}-{next(_COUNT)}", False
         files = row.get("files") or {}
         self._files = json.loads(files) if isinstance(files, str) else dict(files)
+        editable = row.get("editable")
+        if isinstance(editable, str):
+            editable = json.loads(editable) if editable.startswith("[") else [editable]
+        self._editable = list(editable) if editable is not None else [p for p in self._files if not is_test_path(p)]
         self._test_command = row.get("test_command") or None
         self._seeded_lease = None
 
     def get_reward(self) -> float | None:
-        """End of the rollout: score the row's tests in this rollout's session, free the lease."""
+        """End of the rollout: score the row's tests where the rollout never ran; never raises.
+
+        None for a row without `test_command`, or when no sandbox could be had at all (the
+        pool's fault: TRL leaves the rollout unscored); any other failure of the sandbox
+        (lost, an error, the quota) scores 0.0, the lowest reward, so that breaking one's
+        own sandbox never pays. Failures are counted (`reward_failures`).
+        """
         try:
-            if not self._test_command or self._group is None:
+            if not self._test_command or self._key is None:
                 return None
-            try:
-                r = self._exec(self._test_command, self._config.test_timeout_seconds)
-            except LeaseLost:
-                return 0.0
-            return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"]).reward
+            lease_id = self._lease()
+            r = self._client.score(lease_id, self._test_command, files=self._files, editable=self._editable,
+                                   session=self._session, timeout_seconds=self._config.test_timeout_seconds,
+                                   max_output_bytes=65536)
+            return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"],
+                                  counts_required=prints_counts(self._test_command)).reward
+        except NoSandbox as err:
+            _count_failure("no_sandbox", err)
+            return None
+        except LeaseLost as err:
+            _count_failure("sandbox_lost", err)
+            return 0.0
+        except SandboxError as err:
+            _count_failure("workspace_full" if err.error == "workspace_full" else "sandbox_error", err)
+            return 0.0
+        except Exception as err:  # noqa: BLE001 - TRL's rollout worker must never see it
+            _count_failure("error", err)
+            return 0.0
         finally:
             self._end_rollout()
 
-    # -- lease plumbing --------------------------------------------------------
+    # -- lease plumbing: one sandbox per rollout ---------------------------------------------
     def _lease(self) -> str:
-        g = self._group
-        if g is None:
+        if self._key is None:
             raise RuntimeError("reset() was not called")
-        with g.lock:
-            if g.lease_id is None:
-                lease = self._client.lease(g.key, wait_seconds=self._config.lease_wait_seconds)
-                g.lease_id = lease.lease_id
+        with self._lock:
+            if self._lease_id is None:
+                lease = self._client.lease(self._key, wait_seconds=self._config.lease_wait_seconds)
+                self._lease_id = lease.lease_id
                 Heartbeats.for_client(self._client, self._config.heartbeat_seconds).add(lease.lease_id)
-            lease_id = g.lease_id
+            lease_id = self._lease_id
         if self._seeded_lease != lease_id:  # first call here, or the sandbox was replaced
             try:
                 for path, content in self._files.items():
@@ -186,29 +211,23 @@ class SandboxEnvironmentBase:
         return lease_id
 
     def _lost(self, lease_id: str) -> None:
-        g = self._group
-        with g.lock:
-            if g.lease_id == lease_id:
-                g.lease_id = None
+        with self._lock:
+            if self._lease_id == lease_id:
+                self._lease_id = None
         Heartbeats.for_client(self._client, self._config.heartbeat_seconds).discard(lease_id)
 
     def _end_rollout(self) -> None:
-        g = self._group
-        if g is None or self._ended:
+        if self._ended:
             return
         self._ended = True
-        with g.lock:
-            g.ended += 1
-            done = g.ended >= g.size
-            lease_id = g.lease_id if done else None
-            if done:
-                g.lease_id = None
+        with self._lock:
+            lease_id, self._lease_id = self._lease_id, None
         if lease_id:
             Heartbeats.for_client(self._client, self._config.heartbeat_seconds).discard(lease_id)
             try:
                 self._client.release(lease_id, all_holders=True)
-            except (LeaseLost, SandboxError, OSError):
-                pass  # already gone; the gateway resets it either way
+            except Exception:  # noqa: BLE001, S110 - already gone; the gateway resets it either way
+                pass
 
     def _exec(self, command, timeout: float) -> ExecResult:
         lease_id = self._lease()

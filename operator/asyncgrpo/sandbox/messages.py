@@ -102,6 +102,24 @@ class ResetRequest(_Strict):
                                      description="secret of the next lease, accepted once the reset is done")
 
 
+class ScoreRequest(_Strict):
+    """Score a rollout where it never ran (`POST /v1/score`, lease secret).
+
+    The server kills every process of the sandbox, keeps only the `editable` paths of
+    `session` (regular files, no symlinks), wipes the workspace, builds a fresh scoring
+    session from the template, `files` (the row's files: its tests restored) and the kept
+    editable files, and runs `command` there in a clean, isolated environment.
+    """
+
+    session: str | None = None
+    files: dict[str, str] = Field(default_factory=dict, description="the row's files, written first (tests restored)")
+    editable: list[str] = Field(default_factory=list, max_length=1024,
+                                description="paths the rollout may change: only these are carried over")
+    command: str | list[str] = Field(description="the row's test command")
+    timeout_seconds: float | None = Field(None, gt=0)
+    max_output_bytes: int | None = Field(None, ge=0)
+
+
 class LeaseRequest(_Strict):
     group_id: str = Field(min_length=1, max_length=256)
     wait_seconds: float | None = Field(None, ge=0)
@@ -136,6 +154,10 @@ class ExecResult(_Answer):
     stderr_bytes: int
     timed_out: bool
     duration_seconds: float
+
+
+class ScoreResult(ExecResult):
+    editable_found: list[str] = Field(default_factory=list, description="editable paths carried over")
 
 
 class ReadResult(_Answer):

@@ -42,34 +42,73 @@ class ScoredRun:
     reward: float
 
 
+def _pytest_counts(line: str) -> tuple[int, int]:
+    counts = {k: int(n) for n, k in _PYTEST_COUNT.findall(line)}
+    return counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+
+
+def _unittest_counts(block: str, total: int) -> tuple[int, int]:
+    bad = 0
+    m = _UNITTEST_FAILED.search(block)
+    if m:
+        for part in m.group(1).split(","):
+            key, _, value = part.strip().partition("=")
+            if key in ("failures", "errors", "unexpected successes") and value.isdigit():
+                bad += int(value)
+    return max(0, total - bad), bad
+
+
+def test_reports(output: str) -> list[tuple[int, int]]:
+    """Every (passed, not passed) report a pytest or unittest run printed in `output`.
+
+    More than one means something besides the runner printed one (code under test can
+    print anything): `score_test_run` believes the worst.
+    """
+    found = [_pytest_counts(line) for line in output.splitlines() if _PYTEST_SUMMARY.search(line)]
+    runs = list(_UNITTEST_RAN.finditer(output))
+    for i, m in enumerate(runs):
+        block = output[m.end(): runs[i + 1].start() if i + 1 < len(runs) else len(output)]
+        found.append(_unittest_counts(block, int(m.group(1))))
+    return [c for c in found if sum(c) > 0]
+
+
 def count_tests(output: str) -> tuple[int, int] | None:
-    """(passed, not passed) from a pytest or unittest report in `output`, or None."""
-    summaries = [line for line in output.splitlines() if _PYTEST_SUMMARY.search(line)]
-    if summaries:
-        counts = {k: int(n) for n, k in _PYTEST_COUNT.findall(summaries[-1])}
-        failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
-        return counts.get("passed", 0), failed
-    ran = _UNITTEST_RAN.findall(output)
-    if ran:
-        total = int(ran[-1])
-        bad = 0
-        m = _UNITTEST_FAILED.findall(output)
-        if m:
-            for part in m[-1].split(","):
-                key, _, value = part.strip().partition("=")
-                if key in ("failures", "errors", "unexpected successes") and value.isdigit():
-                    bad += int(value)
-        return max(0, total - bad), bad
-    return None
+    """(passed, not passed) of the worst report in `output`, or None when there is none."""
+    reports = test_reports(output)
+    return min(reports, key=lambda c: c[0] / sum(c)) if reports else None
 
 
-def score_test_run(exit_code: int | None, stdout: str, stderr: str = "", timed_out: bool = False) -> ScoredRun:
+#: a test command naming one of these prints counts; none printed means the run did not finish
+_COUNTING_RUNNER = re.compile(r"\b(pytest|py\.test|unittest)\b")
+
+
+def prints_counts(test_command: str | list | None) -> bool:
+    """Whether the command runs pytest or unittest (whose counts `score_test_run` can require)."""
+    text = " ".join(test_command) if isinstance(test_command, list) else str(test_command or "")
+    return bool(_COUNTING_RUNNER.search(text))
+
+
+def score_test_run(exit_code: int | None, stdout: str, stderr: str = "", timed_out: bool = False,
+                   counts_required: bool = False) -> ScoredRun:
+    """The reward of a test run; the exit status wins over printed text.
+
+    - a timeout scores 0.0;
+    - with counts: the worst printed report's passed / total; but a non-zero exit status with
+      a report claiming no failures scores 0.0 (the text is contradicted, so disbelieved);
+    - without counts: 1.0 for exit 0, else 0.0; with `counts_required` (the command runs
+      pytest or unittest, which always print them) 0.0: the run ended before its report
+      (`os._exit(0)` in the code under test, say).
+    """
     if timed_out:
         return ScoredRun(None, None, exit_code, True, 0.0)
     counts = count_tests(stdout + "\n" + stderr)
-    if counts is not None and sum(counts) > 0:
+    if counts is not None:
         passed, failed = counts
+        if exit_code != 0 and failed == 0:
+            return ScoredRun(passed, failed, exit_code, False, 0.0)
         return ScoredRun(passed, failed, exit_code, False, passed / (passed + failed))
+    if counts_required:
+        return ScoredRun(None, None, exit_code, False, 0.0)
     return ScoredRun(None, None, exit_code, False, 1.0 if exit_code == 0 else 0.0)
 
 
@@ -142,7 +181,8 @@ def sandbox_tests(
                                   session=session)
                 r = client.exec(lease_id, commands[i], timeout_seconds=timeout_seconds,
                                 session=session, max_output_bytes=65536)
-                return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"]).reward
+                return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"],
+                                      counts_required=prints_counts(commands[i])).reward
 
             with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
                 for i, reward in zip(todo, pool.map(run, todo)):

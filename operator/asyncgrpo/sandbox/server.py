@@ -64,6 +64,8 @@ from asyncgrpo.sandbox.messages import (
     ReadRequest,
     ReadResult,
     ResetRequest,
+    ScoreRequest,
+    ScoreResult,
     WriteRequest,
     WriteResult,
     api_error_response,
@@ -78,6 +80,10 @@ from asyncgrpo.sandbox.workspace import PathRefused, QuotaExceeded, Workspace
 log = logging.getLogger("asyncgrpo.sandbox.server")
 DEFAULT_COMMAND_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 QUOTA_CHECK_SECONDS = 1.0
+#: where `/v1/score` builds the scoring session and its HOME (not a valid session name: no
+#: exec or file call can name it)
+SCORE_SESSION = "score"
+SCORE_HOME = ".score-home"
 
 
 @dataclass
@@ -120,7 +126,7 @@ def _not_started(timeout: float, encoding: str) -> ExecResult:
 
 CONTROL_PATHS = frozenset({"/v1/reset"})
 STREAM_PATHS = frozenset({"/v1/exec/stream"})
-DATA_PATHS = frozenset({"/v1/exec", "/v1/files/read", "/v1/files/write"}) | STREAM_PATHS
+DATA_PATHS = frozenset({"/v1/exec", "/v1/files/read", "/v1/files/write", "/v1/score"}) | STREAM_PATHS
 
 
 def _digest(secret: str) -> bytes:
@@ -144,6 +150,12 @@ class LeaseGate:
 
     def grant(self, secret: str) -> int:
         self._secret = secret.encode()
+        self.generation += 1
+        return self.generation
+
+    def fence(self) -> int:
+        """A new generation under the same secret: calls admitted before it never start
+        (the scoring run must not share the sandbox with a late call of the rollout)."""
         self.generation += 1
         return self.generation
 
@@ -238,6 +250,7 @@ class SandboxServer:
             ("POST", "/v1/files/read", self.read_file),
             ("POST", "/v1/files/write", self.write_file),
             ("POST", "/v1/reset", self.reset),
+            ("POST", "/v1/score", self.score),
             ("GET", "/healthz", self.healthz),
             ("GET", "/metrics", self.prom),
         ):
@@ -465,6 +478,92 @@ class SandboxServer:
         finally:
             self.dirty = True
         return WriteResult(path=req.path, bytes=written)
+
+    # scoring -----------------------------------------------------------------------------
+    async def score(self, request: Request) -> ScoreResult:
+        """Score a rollout where it never ran: see `ScoreRequest` and docs/sandboxes.md "Reward integrity".
+
+        Every process of the sandbox is killed first (the rollout's background jobs and
+        escapees included: a sandbox serves one rollout), then only the editable paths are
+        read out of the rollout's session, the workspace is wiped, and the row's files plus
+        those are written into a fresh session. The test command runs there with a clean
+        environment: the server's PATH, a fresh empty HOME, no user site, no cwd on
+        Python's path (`PYTHONSAFEPATH`, `PYTHONNOUSERSITE`), nothing from the request.
+        """
+        req = await parse_body(request, ScoreRequest)
+        s, metrics = self.settings, self.metrics
+        timeout = min(req.timeout_seconds or s.default_timeout_seconds, s.max_timeout_seconds)
+        cap = s.max_output_bytes if req.max_output_bytes is None else min(req.max_output_bytes, s.max_output_bytes)
+        if not self.gate.current(grant_of(request).generation):
+            raise _revoked()
+        async with self.reset_lock:
+            generation = self.gate.fence()
+            await self.runner.sweep()
+            try:
+                kept, home, cwd = await asyncio.to_thread(self._scoring_session, req)
+            except PathRefused as err:
+                raise _refused(err) from err
+            except OSError as err:
+                raise _os_error(err) from err
+        argv = [s.shell, "-c", req.command] if isinstance(req.command, str) else list(req.command)
+        env = {"PATH": s.command_path, "HOME": home, "LANG": "C.UTF-8", "TERM": "dumb",
+               "PYTHONUNBUFFERED": "1", "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        wipes = self.wipes
+        metrics.in_flight.inc()
+        queued = time.monotonic()
+        try:
+            try:
+                await asyncio.wait_for(self.slots.acquire(), timeout)
+            except TimeoutError:
+                return ScoreResult(**_not_started(timeout, "utf-8").model_dump(), editable_found=kept)
+            try:
+                result = await self.runner.run(
+                    argv, cwd=cwd, env=env, stdin=None,
+                    timeout=max(0.001, timeout - (time.monotonic() - queued)), max_output_bytes=cap,
+                    admit=lambda: self.gate.current(generation))
+            except Revoked as err:
+                raise _revoked() from err
+            except (FileNotFoundError, PermissionError, NotADirectoryError) as err:
+                raise ApiError(400, "spawn_failed", str(err)) from err
+            except BlockingIOError as err:
+                raise ApiError(429, "process_limit", str(err)) from err
+            finally:
+                self.slots.release()
+                await self.runner.sweep()  # nothing of the scoring run outlives it
+            await self.enforce_quota()
+        finally:
+            metrics.in_flight.dec()
+        if self.wipes != wipes:
+            metrics.execs.labels(outcome="workspace_full").inc()
+            raise self._full("during the scoring run")
+        metrics.execs.labels(outcome="timeout" if result.timed_out else
+                             ("ok" if result.exit_code == 0 else "nonzero")).inc()
+        return ScoreResult(
+            exit_code=result.exit_code, stdout=_decode(result.stdout), stderr=_decode(result.stderr),
+            stdout_truncated=result.stdout_truncated, stderr_truncated=result.stderr_truncated,
+            stdout_bytes=result.stdout_bytes, stderr_bytes=result.stderr_bytes, timed_out=result.timed_out,
+            duration_seconds=round(result.duration_seconds, 6), editable_found=kept)
+
+    def _scoring_session(self, req: ScoreRequest) -> tuple[list[str], str, str]:
+        """(editable paths kept, HOME, cwd) of a fresh scoring session; runs with no command alive."""
+        kept: dict[str, bytes] = {}
+        for path in dict.fromkeys(req.editable):
+            try:  # regular files only, no symlinks; in root mode owned by the commands' uid, one name
+                data, size = self.workspace.read(req.session, path, self.settings.max_read_bytes)
+            except (PathRefused, OSError):
+                continue  # absent, refused or unreadable: the row's version (if any) is scored
+            if size == len(data):
+                kept[path] = data
+        self.workspace.reset()
+        for path, content in req.files.items():
+            self.workspace.write(SCORE_SESSION, path, content.encode())
+        for path, data in kept.items():
+            self.workspace.write(SCORE_SESSION, path, data)
+        home = os.path.join(self.workspace.root, SCORE_HOME)
+        os.mkdir(home, 0o700)
+        self.workspace._chown(home)
+        return sorted(kept), home, self.workspace.session_dir(SCORE_SESSION)
 
     # control ---------------------------------------------------------------------------
     async def reset(self, request: Request) -> dict:

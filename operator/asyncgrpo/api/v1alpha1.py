@@ -423,6 +423,24 @@ class RewardSpec(Model):
                                             description="Reward terms.")
 
 
+class EnvironmentRef(Model):
+    """A user's own TRL environment class (its `environment_factory`); see docs/tasks.md."""
+
+    module: str = Field(
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="'package.module:Class' importable in the trainer image: reset(**row), "
+        "public methods as tools (type hints and docstrings are their schemas), optional "
+        "get_reward(). With spec.sandboxes its constructor also gets sandbox= (the group's "
+        "sandbox handle).",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, max_length=32,
+                                 description="Keyword arguments of the class's constructor.")
+    path: str | None = Field(
+        default=None, min_length=1,
+        description="A folder put first on the import path (local runs: the task's source).",
+    )
+
+
 class HarnessSpec(Model):
     """How a rollout is played: one completion, or a multi-turn episode with tools."""
 
@@ -431,6 +449,10 @@ class HarnessSpec(Model):
     max_turns: int = Field(default=1, ge=1, le=256, description="Assistant turns per episode.")
     tools: list[Literal["shell", "python", "read_file", "write_file"]] = Field(
         default_factory=list, description="Tools offered to the model (multi-turn, in sandboxes)."
+    )
+    environment: EnvironmentRef | None = Field(
+        default=None,
+        description="Your own environment instead of the built-in tools (multi-turn).",
     )
 
 

@@ -215,6 +215,11 @@ def _harness_and_sandboxes(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
         yield FieldError("spec.harness.maxTurns", "single-turn rollouts have exactly one turn")
     if h.tools and h.type != "multi-turn":
         yield FieldError("spec.harness.tools", "tools need harness.type: multi-turn")
+    if h.environment is not None and h.type != "multi-turn":
+        yield FieldError("spec.harness.environment", "an environment needs harness.type: multi-turn")
+    if h.environment is not None and h.tools:
+        yield FieldError("spec.harness.tools", "give tools or an environment, not both (the "
+                         "environment's methods are its tools)")
     if h.tools and s.sandboxes is None:
         yield FieldError("spec.sandboxes", "tools run in sandboxes: add spec.sandboxes")
 

@@ -137,7 +137,7 @@ def environment_factory(run, env: RuntimeEnv):
     h = run.spec.harness
     if h.type != "multi-turn":
         return None
-    from asyncgrpo.sandbox.environment import SandboxEnvironmentFactory
+    from asyncgrpo.sandbox.environment import SandboxEnvConfig, SandboxEnvironmentFactory
 
     kw = {}
     if h.tools:
@@ -146,6 +146,14 @@ def environment_factory(run, env: RuntimeEnv):
         kw["timeout_seconds"] = float(run.spec.sandboxes.exec_timeout_seconds)
     if env.gateway_url:
         kw["gateway_url"] = env.gateway_url
+    if h.environment is not None:  # the user's class; the group's sandbox when there is one
+        from asyncgrpo.trainer.environments import UserEnvironmentFactory
+
+        sandbox = None
+        if run.spec.sandboxes is not None:
+            sandbox = SandboxEnvConfig(num_generations=run.spec.trainer.num_generations, **kw)
+        return UserEnvironmentFactory(h.environment.module, h.environment.args,
+                                      path=h.environment.path, sandbox=sandbox)
     return SandboxEnvironmentFactory(num_generations=run.spec.trainer.num_generations, **kw)
 
 

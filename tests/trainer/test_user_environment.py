@@ -98,7 +98,7 @@ def test_a_users_tools_run_in_the_groups_sandbox_with_private_sessions(gateway):
     assert envs[0].replace_file("x", "ok") == "wrote 2 bytes to x"
     assert envs[1].run("cat x") == "exit code: 0\nstdout:\nno"  # its own session
     assert envs[1].replace_file("../../etc/x", "no").startswith("error:")  # the server's path checks
-    demand = lambda: httpx.get(f"{gateway.url}/v1/demand").json()  # noqa: E731
+    demand = lambda: httpx.get(f"{gateway.url}/v1/demand").json()
     assert demand()["leases_active"] == 1  # one lease for the group
     assert [envs[0].get_reward(), envs[1].get_reward()] == [1.0, 0.0]
     wait_until(lambda: demand()["leases_active"] == 0, 20, what="lease released after the group's last get_reward")

@@ -52,9 +52,11 @@ def test_free_form_only_where_the_model_is_free_form():
     schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     free = sorted(p for p, n in _walk(schema) if n.get("x-kubernetes-preserve-unknown-fields"))
     assert free == [
+        "$.spec.harness.environment.args",
         "$.spec.reward.functions[].args",
         "$.spec.rollout.env[].valueFrom",
         "$.spec.trainer.env[].valueFrom",
+        "$.spec.trainer.trlArgs",  # checked by validation against AsyncGRPOConfig's table
     ]
 
 

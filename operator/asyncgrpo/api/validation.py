@@ -87,7 +87,7 @@ def schema_errors(err: ValidationError, data: Any) -> list[FieldError]:
 def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
     """Rules between fields, in four groups. Each message says what to change."""
     return [*_naming_and_logging(run), *_model_and_parallelism(run),
-            *_data_and_rewards(run.spec), *_harness_and_sandboxes(run.spec)]
+            *_data_and_rewards(run.spec), *_harness_and_sandboxes(run.spec), *_trl_args(run.spec)]
 
 
 def _naming_and_logging(run: AsyncGRPORun) -> Iterator[FieldError]:
@@ -206,6 +206,14 @@ def _data_and_rewards(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
                 re.compile(str(fn.args["pattern"]))
             except re.error as e:
                 yield FieldError(f"{at}.args.pattern", f"not a valid regular expression: {e}")
+
+
+def _trl_args(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
+    """spec.trainer.trlArgs against AsyncGRPOConfig's fields (the generated table)."""
+    from asyncgrpo.api.trl_args import trl_args_errors
+
+    for key, message in trl_args_errors(s.trainer.trl_args):
+        yield FieldError(f"spec.trainer.trlArgs.{key}", message)
 
 
 def _harness_and_sandboxes(s: AsyncGRPORunSpec) -> Iterator[FieldError]:

@@ -90,6 +90,10 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
         temperature=r.sampling.temperature,
         top_p=r.sampling.top_p,
         epsilon=t.clip_epsilon,
+        epsilon_high=t.clip_epsilon_high,
+        top_k=r.sampling.top_k,
+        min_p=r.sampling.min_p,
+        repetition_penalty=r.sampling.repetition_penalty,
         vllm_server_base_url=env.require_vllm(),
         weight_sync_steps=1,
         max_steps=max_steps,
@@ -109,6 +113,8 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
         project=f"asyncgrpo-{run.metadata.namespace or 'default'}",
         disable_tqdm=True,
         log_completions=False,
+        # the rest of AsyncGRPOConfig, checked at validate time (asyncgrpo.api.trl_args)
+        **t.trl_args,
     )
 
 

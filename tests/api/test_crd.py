@@ -52,7 +52,11 @@ def test_free_form_only_where_the_model_is_free_form():
     schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     free = sorted(p for p, n in _walk(schema) if n.get("x-kubernetes-preserve-unknown-fields"))
     # env's valueFrom is Kubernetes' EnvVarSource now (asyncgrpo.api.k8s), not free-form
-    assert free == ["$.spec.reward.functions[].args"]
+    assert free == [
+        "$.spec.harness.environment.args",
+        "$.spec.reward.functions[].args",
+        "$.spec.trainer.trlArgs",  # checked by validation against AsyncGRPOConfig's table
+    ]
 
 
 def test_descriptions_reach_kubectl_explain():

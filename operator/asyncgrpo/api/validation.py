@@ -89,7 +89,7 @@ def semantic_errors(run: AsyncGRPORun) -> list[FieldError]:
     """Rules between fields, in four groups. Each message says what to change."""
     return [*_naming_and_logging(run), *_model_and_parallelism(run),
             *_data_and_rewards(run.spec), *_harness_and_sandboxes(run.spec),
-            *_placement(run.spec)]
+            *_placement(run.spec), *_trl_args(run.spec)]
 
 
 def _placement(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
@@ -216,6 +216,14 @@ def _data_and_rewards(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
                 yield FieldError(f"{at}.args.pattern", f"not a valid regular expression: {e}")
 
 
+def _trl_args(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
+    """spec.trainer.trlArgs against AsyncGRPOConfig's fields (the generated table)."""
+    from asyncgrpo.api.trl_args import trl_args_errors
+
+    for key, message in trl_args_errors(s.trainer.trl_args):
+        yield FieldError(f"spec.trainer.trlArgs.{key}", message)
+
+
 def _harness_and_sandboxes(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
     """Turns and tools against the harness type; the sandbox pool's bounds and egress."""
     h = s.harness
@@ -223,6 +231,11 @@ def _harness_and_sandboxes(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
         yield FieldError("spec.harness.maxTurns", "single-turn rollouts have exactly one turn")
     if h.tools and h.type != "multi-turn":
         yield FieldError("spec.harness.tools", "tools need harness.type: multi-turn")
+    if h.environment is not None and h.type != "multi-turn":
+        yield FieldError("spec.harness.environment", "an environment needs harness.type: multi-turn")
+    if h.environment is not None and h.tools:
+        yield FieldError("spec.harness.tools", "give tools or an environment, not both (the "
+                         "environment's methods are its tools)")
     if h.tools and s.sandboxes is None:
         yield FieldError("spec.sandboxes", "tools run in sandboxes: add spec.sandboxes")
 

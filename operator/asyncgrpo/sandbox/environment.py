@@ -320,6 +320,52 @@ class _WriteFileTool:
         return f"wrote {r['bytes']} bytes to {path}"
 
 
+class SandboxHandle:
+    """The group's sandbox as a user's own environment sees it (`spec.harness.environment`).
+
+    A user environment gets one as its `sandbox=` constructor argument when the run has
+    sandboxes. It is the built-in tools' plumbing, nothing else: a sandbox of this rollout's
+    own (siblings never share one; see "Reward integrity" in docs/sandboxes.md), its session
+    seeded from the row's `files`, the same exec timeout, output caps and path checks of the
+    sandbox server. The handle leases the sandbox when the environment's `reset` runs and
+    releases it after its `get_reward` (or at the next reset when the environment has none);
+    the wrapper in `asyncgrpo.trainer.environments` does both, so the user's code only calls
+    the four methods below.
+
+    `run`/`read_text`/`write_text` return text for a tool result (failures as text, like the
+    built-ins); `exec` returns the raw ExecResult and raises LeaseLost/SandboxError, for
+    rewards that need the exit code.
+    """
+
+    def __init__(self, config: SandboxEnvConfig):
+        self._rollout = SandboxEnvironmentBase(config)
+
+    def begin(self, row: dict) -> None:
+        """Lease this rollout's sandbox (called by the wrapper before the user's reset)."""
+        self._rollout.reset(**row)
+
+    def end(self) -> None:
+        """Release this rollout's sandbox."""
+        self._rollout._end_rollout()
+
+    def exec(self, command: str | list[str], timeout_seconds: float | None = None) -> ExecResult:
+        """Run a command in this rollout's session: exit_code, stdout, stderr, timed_out."""
+        t = self._rollout._config.timeout_seconds if timeout_seconds is None else timeout_seconds
+        return self._rollout._exec(command, t)
+
+    def run(self, command: str | list[str]) -> str:
+        """Run a command; the result as the built-in shell tool formats it (exit code, streams)."""
+        return self._rollout._run(command)
+
+    def read_text(self, path: str) -> str:
+        """A file's text, or an error message (as the built-in read_file returns it)."""
+        return _ReadFileTool.read_file(self._rollout, path)
+
+    def write_text(self, path: str, content: str) -> str:
+        """Write a file; a confirmation or an error message (as the built-in write_file)."""
+        return _WriteFileTool.write_file(self._rollout, path, content)
+
+
 _MIXINS = {"shell": _ShellTool, "python": _PythonTool, "read_file": _ReadFileTool, "write_file": _WriteFileTool}
 _CLASSES: dict[tuple[str, ...], type] = {}
 
@@ -356,4 +402,5 @@ class SandboxEnvironmentFactory:
         return f"SandboxEnvironmentFactory({self.config})"
 
 
-__all__ = ["TOOL_NAMES", "SandboxEnvConfig", "SandboxEnvironment", "SandboxEnvironmentFactory", "environment_class"]
+__all__ = ["TOOL_NAMES", "SandboxEnvConfig", "SandboxEnvironment", "SandboxEnvironmentFactory", "SandboxHandle",
+           "environment_class"]

@@ -90,6 +90,10 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
         temperature=r.sampling.temperature,
         top_p=r.sampling.top_p,
         epsilon=t.clip_epsilon,
+        epsilon_high=t.clip_epsilon_high,
+        top_k=r.sampling.top_k,
+        min_p=r.sampling.min_p,
+        repetition_penalty=r.sampling.repetition_penalty,
         vllm_server_base_url=env.require_vllm(),
         weight_sync_steps=1,
         max_steps=max_steps,
@@ -109,6 +113,8 @@ def trl_config(run, env: RuntimeEnv, *, use_cpu: bool):
         project=f"asyncgrpo-{run.metadata.namespace or 'default'}",
         disable_tqdm=True,
         log_completions=False,
+        # the rest of AsyncGRPOConfig, checked at validate time (asyncgrpo.api.trl_args)
+        **t.trl_args,
     )
 
 
@@ -137,7 +143,7 @@ def environment_factory(run, env: RuntimeEnv):
     h = run.spec.harness
     if h.type != "multi-turn":
         return None
-    from asyncgrpo.sandbox.environment import SandboxEnvironmentFactory
+    from asyncgrpo.sandbox.environment import SandboxEnvConfig, SandboxEnvironmentFactory
 
     kw = {}
     if h.tools:
@@ -146,6 +152,14 @@ def environment_factory(run, env: RuntimeEnv):
         kw["timeout_seconds"] = float(run.spec.sandboxes.exec_timeout_seconds)
     if env.gateway_url:
         kw["gateway_url"] = env.gateway_url
+    if h.environment is not None:  # the user's class; the group's sandbox when there is one
+        from asyncgrpo.trainer.environments import UserEnvironmentFactory
+
+        sandbox = None
+        if run.spec.sandboxes is not None:
+            sandbox = SandboxEnvConfig(num_generations=run.spec.trainer.num_generations, **kw)
+        return UserEnvironmentFactory(h.environment.module, h.environment.args,
+                                      path=h.environment.path, sandbox=sandbox)
     return SandboxEnvironmentFactory(num_generations=run.spec.trainer.num_generations, **kw)
 
 

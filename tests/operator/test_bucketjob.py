@@ -100,7 +100,7 @@ def test_bucket_policy_opens_the_endpoint_port_but_not_metadata():
 
 def job(phase="Running", uid="j1", hash_="h", reason="", message="", run="math") -> Child:
     return Child(kind="Job", name=f"{run}-bucket-setup", component=bucketjob.SETUP, hash=hash_,
-                 phase=phase, uid=uid, problem=reason, problem_message=message)
+                 phase=phase, uid=uid, problem=reason, problem_message=message, owner_uid="u1")
 
 
 def pod(owner="j1", message="", problem="", problem_message="") -> Child:
@@ -148,9 +148,9 @@ def test_job_summary(conditions, phase):
 
 def workloads_ready(name: str) -> list[Child]:
     return [Child(kind="Deployment", name=f"{name}-vllm", component="vllm", hash="x",
-                  replicas=1, ready_replicas=1),
+                  replicas=1, ready_replicas=1, owner_uid="u1"),
             Child(kind="ServiceAccount", name=f"{name}-workload", component="workload",
-                  hash="x")]
+                  hash="x", owner_uid="u1")]
 
 
 def bucket_cond(out) -> dict:

@@ -175,8 +175,8 @@ class TenantIO:
                     body = await _read_capped(resp, max_bytes)
                     if body is None:
                         problem = (TOO_LARGE, f"answered more than {max_bytes} bytes")
-                    elif resp.status != 200:
-                        problem = (BAD, f"answered HTTP {resp.status}")
+                    elif resp.status != 200:   # not serving yet: as if not listening
+                        problem = (UNREACHABLE, f"answered HTTP {resp.status}")
                     else:
                         value = parse(body)
             except TimeoutError:

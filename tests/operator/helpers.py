@@ -30,17 +30,34 @@ def reconcile_errors(metrics) -> dict[str, float]:
 
 
 class JsonServer:
-    """A loopback HTTP server answering GET <path> from a dict the test changes."""
+    """A loopback HTTP server answering GET <path> from a dict the test changes; paths in
+    `drips` answer one byte every half second, for ever (a hostile tenant's server)."""
 
     def __init__(self):
         self.routes: dict[str, tuple[str, bytes]] = {}
+        self.drips: set[str] = set()
         self.hits: dict[str, int] = {}
         self.auth: dict[str, str] = {}
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            def drip(self) -> None:
+                import time
+
+                self.send_response(200)
+                self.end_headers()
+                try:
+                    while self.path in server.drips:
+                        self.wfile.write(b"#")
+                        self.wfile.flush()
+                        time.sleep(0.5)
+                except OSError:
+                    pass
+
             def do_GET(self):
                 server.hits[self.path] = server.hits.get(self.path, 0) + 1
+                if self.path in server.drips:
+                    return self.drip()
                 if self.path not in server.routes:
                     self.send_response(404)
                     self.end_headers()
@@ -55,6 +72,8 @@ class JsonServer:
             def do_POST(self):
                 server.hits[self.path] = server.hits.get(self.path, 0) + 1
                 server.auth[self.path] = self.headers.get("Authorization", "")
+                if self.path in server.drips:
+                    return self.drip()
                 _, body = server.routes.get(self.path, ("", b'{"safe_to_delete": true}'))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")

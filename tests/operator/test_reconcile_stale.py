@@ -40,7 +40,8 @@ def test_a_stale_body_never_unfinishes_a_run(s3_server):
 
     secret = {"data": {k: base64.b64encode(v.encode()).decode() for k, v in {
         "AWS_ACCESS_KEY_ID": s3_server.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}.items()}}
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}.items()},
+        "metadata": {"ownerReferences": [{"uid": "u1", "controller": True}]}}
     rt = Runtime(Settings(gateway_url="http://127.0.0.1:1", trainer_metrics_url="http://127.0.0.1:1"))
     rt.kube = Recorder(secret)
     body = make_run(s3_server, "ns", "done")
@@ -49,9 +50,9 @@ def test_a_stale_body_never_unfinishes_a_run(s3_server):
 
     def sts(replicas):
         return Child(kind="StatefulSet", name="done-trainer", component="trainer", hash="x",
-                     replicas=replicas, ready_replicas=replicas)
+                     replicas=replicas, ready_replicas=replicas, owner_uid="u1")
     vllm = Child(kind="Deployment", name="done-vllm", component="vllm", hash="x", replicas=2,
-                 ready_replicas=2)
+                 ready_replicas=2, owner_uid="u1")
     finished_pod = Child(kind="Pod", name="done-trainer-0", component="trainer", hash=None,
                          phase="Running", exit_codes=(0,))
 

@@ -10,11 +10,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from asyncgrpo.controller import network
+from asyncgrpo.controller import network, untrusted
 from asyncgrpo.controller.metrics import OperatorMetrics
 from asyncgrpo.controller.observe import Child, summarize
-from asyncgrpo.controller.served import ServedWeights, read_puller, served_weights
+from asyncgrpo.controller.served import ServedWeights, puller_url, served_weights
 from asyncgrpo.controller.status import Observation, compute
+from asyncgrpo.controller.tenant_io import TenantIO
 from asyncgrpo.wire import PULLER_PORT
 from tests.operator.test_builders import run_of
 
@@ -47,19 +48,37 @@ def puller_status():
     server.server_close()
 
 
+def read_puller(io: TenantIO, port: int) -> int | None:
+    reading = io.read(("t", port), "t", puller_url("127.0.0.1", port), untrusted.puller,
+                      max_bytes=1 << 16, wait=5)
+    io.forget(("t",))
+    return reading.value if reading is not None else None
+
+
 def test_read_puller_takes_the_served_version_and_nothing_else(puller_status):
     doc, port = puller_status
-    doc["body"] = json.dumps({"ready": True, "served_version": 7, "latest_seen": 9}).encode()
-    assert read_puller("127.0.0.1", port) == 7
-    for bad in (b'{"served_version": null}', b'{"served_version": "7"}', b"[7]", b"not json",
-                b'{"served_version": true}'):
-        doc["body"] = bad
-        assert read_puller("127.0.0.1", port) is None, bad
+    io = TenantIO()
+    try:
+        doc["body"] = json.dumps({"ready": True, "served_version": 7, "latest_seen": 9}).encode()
+        assert read_puller(io, port) == 7
+        for bad in (b'{"served_version": "7"}', b"[7]", b"not json",
+                    b'{"served_version": true}', b'{"served_version": -1}',
+                    b'{"served_version": 1e400}', b"\xff\xfe"):
+            doc["body"] = bad
+            assert read_puller(io, port) is None, bad
+        doc["body"] = b'{"served_version": null}'
+        assert read_puller(io, port) is None
+    finally:
+        io.close()
 
 
-def test_a_silent_puller_is_none_within_its_timeout():
+def test_a_silent_puller_is_none():
     # nothing listens on this port of loopback: refused at once
-    assert read_puller("127.0.0.1", 9, timeout=0.5) is None
+    io = TenantIO()
+    try:
+        assert read_puller(io, 9) is None
+    finally:
+        io.close()
 
 
 def test_served_weights_spans_the_running_replicas_that_answer():

@@ -85,6 +85,32 @@ def credentials_from_env(env: Mapping[str, str]) -> Credentials | None:
 TIMEOUT_SECONDS = 3.0
 
 
+#: Cloud metadata servers outside 169.254.0.0/16 and fe80::/10: AWS's IPv6 one
+#: (fd00:ec2::254) and Alibaba's (100.100.100.200). The Jobs' NetworkPolicy excepts them too.
+METADATA_NETWORKS = (ipaddress.ip_network("fd00:ec2::254/128"),
+                     ipaddress.ip_network("100.100.100.200/32"))
+#: NAT64 (64:ff9b::/96) carries an IPv4 address in its last 32 bits.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def is_metadata_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Link-local, unspecified, multicast or a known metadata address, in any spelling an
+    IPv6 address can carry an IPv4 one (mapped ::ffff:a.b.c.d, compatible ::a.b.c.d, NAT64
+    64:ff9b::a.b.c.d)."""
+    if ip.is_link_local or ip.is_unspecified or ip.is_multicast or \
+            any(ip in n for n in METADATA_NETWORKS if n.version == ip.version):
+        return True
+    if ip.version == 6:
+        inner = None
+        if ip.ipv4_mapped is not None:
+            inner = ip.ipv4_mapped
+        elif ip in _NAT64 or int(ip) >> 32 == 0:   # NAT64 or IPv4-compatible (::a.b.c.d)
+            inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if inner is not None and int(inner) > 1 and is_metadata_address(inner):
+            return True
+    return False
+
+
 def check_endpoint(store: AdapterStoreSpec, allowlist: Iterable[str] = (),
                    resolve: bool = True) -> None:
     """Refuse an endpoint the cluster admin did not allow, before any request is sent.
@@ -131,9 +157,7 @@ def check_endpoint(store: AdapterStoreSpec, allowlist: Iterable[str] = (),
             raise BucketError("EndpointUnreachable", "spec.adapterStore.endpoint: its "
                               "host name does not resolve") from None
     for addr in addrs:
-        ip = ipaddress.ip_address(addr.split("%")[0])
-        if ip.is_link_local or ip.is_unspecified or ip.is_multicast or \
-                (ip.version == 6 and ip.ipv4_mapped and ip.ipv4_mapped.is_link_local):
+        if is_metadata_address(ipaddress.ip_address(addr.split("%")[0])):
             raise BucketError("EndpointNotAllowed", "spec.adapterStore.endpoint resolves to "
                               "a link-local or metadata address; the operator refuses it "
                               "unless the cluster admin lists it in adapterStore."

@@ -28,7 +28,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo import API_GROUP, API_VERSION
-from asyncgrpo.controller import bucket, bucketjob, observe, rbac, reconcile
+from asyncgrpo.controller import bucket, bucketjob, observe, rbac, reconcile, untrusted
 from asyncgrpo.controller.common import HASH_ANNOTATION, MANAGED_BY, RUN_LABEL, child_name
 from asyncgrpo.controller.runtime import Runtime, Settings
 
@@ -97,6 +97,12 @@ def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
         ks.admission.server = server(settings.webhook)
         ks.admission.managed = "validate.asyncgrpo.dev"
     return ks
+
+
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    """The reads of tenants' endpoints end with the operator (their loop and sockets)."""
+    if getattr(memo, "runtime", None) is not None:
+        runtime(memo).close()
 
 
 async def configure(memo: kopf.Memo, **_: Any) -> None:
@@ -217,10 +223,8 @@ SKIP_CLEANUP = f"{API_GROUP}/skip-bucket-cleanup"
 def _deleting_for(body: kopf.Body) -> float:
     from datetime import UTC, datetime
 
-    ts = body.metadata.get("deletionTimestamp")
-    try:
-        since = datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
-    except (TypeError, ValueError):
+    since = untrusted.timestamp(body.metadata.get("deletionTimestamp"))
+    if since is None:
         return 0.0
     return (datetime.now(UTC) - since).total_seconds()
 
@@ -362,10 +366,10 @@ def validate(body: kopf.Body, memo: kopf.Memo, old: kopf.Body | None = None,
     caps, and an update of a field its checkpoints depend on; with every field path."""
     fixed = None
     if old is not None and old.get("spec"):
-        prev, prev_errors = reconcile.validate_run(reconcile.run_document(dict(old)))
-        fixed = (old.get("status") or {}).get("checkpointIdentity") or (
-            reconcile.checkpoint_identity(prev.spec) if prev is not None and not prev_errors
-            else None)
+        # the previous spec, never the status (a tenant may patch it): every spec this
+        # webhook admitted kept the identity of the one before, back to the first
+        prev, _prev_errors = reconcile.validate_run(reconcile.run_document(dict(old)))
+        fixed = reconcile.checkpoint_identity(prev.spec) if prev is not None else None
     _run, errors, _reason = reconcile.check_run(runtime(memo), dict(body), fixed)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors[:20]), code=422)
@@ -379,6 +383,7 @@ def registry(settings: Settings, controller: bool = True) -> kopf.OperatorRegist
     reg = kopf.OperatorRegistry()
     kopf.on.startup(registry=reg)(configure)
     kopf.on.login(registry=reg)(login)
+    kopf.on.cleanup(registry=reg)(close)
     if settings.webhook is not None:
         kopf.on.validate(**RUNS, id="run", operation="CREATE", registry=reg)(validate)
         kopf.on.validate(**RUNS, id="run-update", operation="UPDATE", registry=reg)(validate)

@@ -101,8 +101,15 @@ def build_bucket_policy(run: AsyncGRPORun) -> dict[str, Any]:
     else:
         dns = {"to": [KUBE_DNS_PEER], "ports": [{"protocol": "UDP", "port": 53},
                                                 {"protocol": "TCP", "port": 53}]}
-        anywhere = [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}},
-                    {"ipBlock": {"cidr": "::/0", "except": ["fe80::/10"]}}]
+        # metadata servers in every spelling: link-local, AWS's IPv6, Alibaba's, NAT64 and
+        # IPv4-compatible forms of 169.254/16 (bucket.is_metadata_address); IPv4-mapped
+        # ::ffff:a.b.c.d is IPv4 on the wire (covered by 169.254/16), and the API server
+        # refuses it as an IPv6 except
+        anywhere = [{"ipBlock": {"cidr": "0.0.0.0/0", "except": [
+                        "169.254.0.0/16", "100.100.100.200/32"]}},
+                    {"ipBlock": {"cidr": "::/0", "except": [
+                        "fe80::/10", "fd00:ec2::254/128", "64:ff9b::a9fe:0/112",
+                        "::a9fe:0/112"]}}]
         egress = [dns, {"to": anywhere, "ports": [
             {"protocol": "TCP", "port": p} for p in bucketjob.endpoint_ports(store.endpoint)]}]
     return stamp({

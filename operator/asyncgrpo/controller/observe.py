@@ -11,7 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncgrpo import API_GROUP
 from asyncgrpo.controller.common import COMPONENT_LABEL, HASH_ANNOTATION
+
+#: On the run's ConfigMap: the checkpoint identity (`api.validation.checkpoint_identity`) of
+#: the spec the operator first applied. The immutability check reads it here, where only the
+#: operator writes, never from the run's status (which a tenant can patch).
+IDENTITY_ANNOTATION = f"{API_GROUP}/checkpoint-identity"
 
 #: Container waiting reasons a user must act on (not transient start-up states).
 STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull",
@@ -46,6 +52,8 @@ class Child:
     #: uid of its controller (a Job's pod: the Job), so an old Job's pod is never read as
     #: the new one's
     owner_uid: str = ""
+    #: IDENTITY_ANNOTATION (the run's ConfigMap)
+    identity: str = ""
 
 
 def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +116,9 @@ def summarize(body: dict[str, Any]) -> Child:
                  component=(meta.get("labels") or {}).get(COMPONENT_LABEL, ""),
                  hash=(meta.get("annotations") or {}).get(HASH_ANNOTATION),
                  deleting=bool(meta.get("deletionTimestamp")), uid=meta.get("uid", ""),
-                 owner_uid=owner, **fields)
+                 owner_uid=owner,
+                 identity=str((meta.get("annotations") or {}).get(IDENTITY_ANNOTATION) or "")
+                 [:4096], **fields)
 
 
 def workload(children: list[Child], component: str) -> Child | None:

@@ -8,10 +8,11 @@ have finished a step yet, and status must never go backwards because of a failed
 
 from __future__ import annotations
 
-import urllib.request
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from asyncgrpo.controller import untrusted
 
 METRICS = {
     "asyncgrpo_trainer_step": "step",
@@ -44,9 +45,11 @@ def parse(text: str) -> Progress:
             attr = METRICS.get(sample.name)
             if attr is None:
                 continue
-            value = sample.value
-            setattr(out, attr, int(value) if attr in ("step", "policy_version")
-                    else float(value))
+            # typed and bounded (controller.untrusted): a step of +Inf or -1 is a bad answer,
+            # never an OverflowError in the reconcile
+            setattr(out, attr, untrusted.count(sample.value, sample.name)
+                    if attr in ("step", "policy_version")
+                    else untrusted.real(sample.value, sample.name))
     return out
 
 
@@ -59,20 +62,40 @@ def from_termination_message(message: str) -> Progress | None:
         doc = json.loads(message) if message.strip().startswith("{") else None
     except ValueError:
         return None
-    if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
+    if not isinstance(doc, dict):
         return None
-    version = doc.get("policyVersion")
-    outputs = [o for o in doc.get("outputs") or [] if isinstance(o, dict)
-               and isinstance(o.get("bucket"), str) and isinstance(o.get("key"), str)]
-    return Progress(step=doc["step"], policy_version=version if isinstance(version, int) else None,
-                    outputs=[{k: o[k] for k in ("bucket", "key", "kind", "step") if k in o}
-                             for o in outputs] or None)
-
-
-def scrape(url: str, timeout: float = 2.0) -> Progress | None:
-    """The trainer's numbers, or None if its endpoint does not answer (not started yet)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return parse(resp.read(1 << 22).decode("utf-8", "replace"))
-    except (OSError, ValueError):
+        step = untrusted.count(doc.get("step"), "step")
+    except ValueError:
         return None
+    try:
+        version = untrusted.count(doc.get("policyVersion"), "policyVersion")
+    except ValueError:
+        version = None
+    return Progress(step=step, policy_version=version, outputs=_outputs(doc.get("outputs")))
+
+
+def _outputs(value) -> list[dict] | None:
+    """The trainer's `final/` records (bucket, key, kind, step), typed and bounded: a tenant's
+    image writes the termination message, so anything else is dropped, never raised."""
+    if not isinstance(value, list):
+        return None
+    out = []
+    for o in value[:8]:
+        if not isinstance(o, dict):
+            continue
+        try:
+            record = {"bucket": untrusted.short_text(o.get("bucket"), "bucket"),
+                      "key": untrusted.short_text(o.get("key"), "key", most=1024)}
+            if "kind" in o:
+                record["kind"] = untrusted.short_text(o.get("kind"), "kind", most=16)
+            if "step" in o:
+                record["step"] = untrusted.count(o.get("step"), "step")
+        except ValueError:
+            continue
+        out.append(record)
+    return out or None
+
+
+#: most bytes of a trainer's metrics page the operator reads (the read: controller.tenant_io)
+MAX_METRICS_BYTES = 1 << 20

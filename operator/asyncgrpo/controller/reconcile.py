@@ -9,12 +9,9 @@ HTTP scrape of the trainer and one of the gateway's demand.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import socket
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -29,11 +26,21 @@ from asyncgrpo.api.validation import (
     immutable_errors,
     validate_run,
 )
-from asyncgrpo.controller import bucket, bucketjob, pool, progress, sandboxes, secret, served
+from asyncgrpo.controller import (
+    bucket,
+    bucketjob,
+    ownership,
+    pool,
+    progress,
+    sandboxes,
+    secret,
+    served,
+    untrusted,
+)
 from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION, operator_defaults
-from asyncgrpo.controller.observe import STUCK_REASONS, Child, workload
+from asyncgrpo.controller.observe import IDENTITY_ANNOTATION, STUCK_REASONS, Child, workload
 from asyncgrpo.controller.runtime import RunState, Runtime
 from asyncgrpo.controller.status import TERMINAL, Observation, Transition, compute
 
@@ -48,6 +55,18 @@ PRUNED_KINDS = frozenset({"ConfigMap", "Service", "ServiceAccount", "Deployment"
 POOL_RETRY_SECONDS = 30.0
 #: Longest wait between two checks of a failing bucket.
 BUCKET_RETRY_MAX_SECONDS = 30.0
+#: Seconds before trying again to create a child whose name another object holds.
+CONFLICT_RETRY_SECONDS = 10.0
+
+
+class Budget:
+    """How long one reconcile may still wait on tenants' endpoints, over all its reads."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
 
 
 def now_iso() -> str:
@@ -76,8 +95,10 @@ def _ready(children: list[Child], component: str) -> bool:
 def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outcome:
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
+    uid = str(meta.get("uid") or "")
     state = rt.run((ns, name))
-    old = json.loads(json.dumps(body.get("status") or {}))
+    # the status is tenant-writable: only typed fields of it are read (controller.untrusted)
+    old = untrusted.status(body.get("status"))
     rv = meta.get("resourceVersion")
     if state.last_status is not None and state.last_status[0] == rv:
         # the watch has not delivered our last status patch yet: compute from what we wrote,
@@ -87,7 +108,11 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     if state.finished is not None and old.get("phase") not in TERMINAL:
         # the body predates our own patch that finished the run: never un-finish it
         old.update(state.finished)
-    run, errors, reason = check_run(rt, body, old.get("checkpointIdentity"))
+    children, foreign = ownership.split(children, uid)
+    # the identity the run's checkpoints were made for: on the operator's own ConfigMap (a
+    # tenant with run rights can patch the status, not the ConfigMap), never the status
+    fixed = next((c.identity for c in children if c.kind == "ConfigMap" and c.identity), None)
+    run, errors, reason = check_run(rt, body, fixed)
     obs = Observation(generation=int(meta.get("generation") or 0), spec_errors=errors,
                       spec_error_reason=reason, children=children)
     if run is None or errors:
@@ -98,7 +123,9 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     terminal = old.get("phase") in TERMINAL
     stopped = run.spec.suspend or terminal
 
-    bucket_action = _check_bucket(rt, state, run, obs, str(meta.get("uid") or ""), children)
+    budget = Budget(rt.settings.endpoint_wait_seconds)
+    conflicts = _known_conflicts(state, foreign)
+    bucket_action = _check_bucket(rt, state, run, obs, uid, children)
     trainer_up = (w := workload(children, "trainer")) is not None and w.replicas > 0
     deps_ready = _ready(children, "vllm") and (
         run.spec.sandboxes is None or _ready(children, "gateway"))
@@ -106,13 +133,32 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     obs.trainer_gated = not start and not stopped
 
     if run.spec.sandboxes is not None:
-        _ensure_secret(rt, state, run, body)
-    desired = build_children(run, stopped=stopped, start_trainer=start,
-                             resolved_hosts=_resolve_hosts(rt, state, run),
-                             scrapers=rt.settings.scrapers)
-    obs.apply_errors = _apply(rt, body, desired, children)
+        conflicts += _ensure_secret(rt, state, run, body, obs)
+    hosts = _resolve_hosts(rt, run, obs)
+
+    def desired_children(gated: bool) -> list[dict[str, Any]]:
+        out = build_children(run, stopped=stopped or gated, start_trainer=start and not gated,
+                             resolved_hosts=hosts, scrapers=rt.settings.scrapers)
+        for obj in out:   # written once, with the spec that passed check_run
+            if obj["kind"] == "ConfigMap":
+                obj["metadata"].setdefault("annotations", {})[IDENTITY_ANNOTATION] = \
+                    checkpoint_identity(run.spec)
+        return out
+
+    # what nothing runs as first (accounts, config, policies), then the workloads: scaled to
+    # zero when any child's name is held by an object that is not the run's (never adopt)
+    support = [o for o in desired_children(bool(conflicts))
+               if o["kind"] not in ownership.WORKLOAD_KINDS]
+    obs.apply_errors = _apply(rt, state, body, support, children, foreign, conflicts, uid)
+    workloads = [o for o in desired_children(bool(conflicts))
+                 if o["kind"] in ownership.WORKLOAD_KINDS]
+    obs.apply_errors += _apply(rt, state, body, workloads, children, foreign, conflicts, uid,
+                               prune=False)
+    _prune_workloads(rt, ns, workloads, children)
+    if conflicts and bucket_action is not None and bucket_action[0] == "create":
+        bucket_action = None
     # after the children: the Job's pod runs as the run's ServiceAccount, created above
-    obs.apply_errors += _act_on_bucket_job(rt, body, bucket_action)
+    obs.apply_errors += _act_on_bucket_job(rt, state, body, bucket_action, conflicts, uid)
 
     spawned = 0
     if run.spec.sandboxes is None:   # the pool was removed from the spec: its pods go too
@@ -124,8 +170,9 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
             rt.expectations.expect_delete(key, pod)
             rt.kube.delete("Pod", ns, pod)
     else:
-        obs.sandboxes, spawned, pool_error = _scale_pool(rt, state, body, run, children,
-                                                         stopped)
+        obs.sandboxes, spawned, pool_error = _scale_pool(
+            rt, state, body, run, children, stopped or bool(conflicts), foreign, conflicts,
+            uid, budget, obs)
         obs.pool_error = pool_error
         # the body may predate our last status patch: the count lives in memory too
         seen = int((old.get("sandboxes") or {}).get("spawnedTotal", 0))
@@ -135,7 +182,8 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     if _ready(children, "trainer") and not stopped:
         url = rt.settings.trainer_metrics_url.format(name=name, namespace=ns,
                                                      port=run.spec.trainer.metrics_port)
-        scraped = progress.scrape(url)
+        scraped = _read(rt, obs, (ns, name, "metrics"), ns, url, untrusted.metrics,
+                        progress.MAX_METRICS_BYTES, budget, "the trainer's metrics endpoint")
         if scraped is not None:
             state.progress = _merge_progress(state.progress, scraped)
     # a trainer that finished says its last numbers in its termination message: the final
@@ -145,10 +193,14 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
         state.progress = _merge_progress(state.progress, final)
     obs.progress = state.progress
     if run.spec.model.finetuning == "full" and not stopped:
-        obs.served_weights = served.served_weights(children)
+        obs.served_weights = served.served_weights(children, lambda ip: _read(
+            rt, obs, (ns, name, "puller", ip), ns, served.puller_url(ip), untrusted.puller,
+            served.MAX_STATUS_BYTES, budget, f"the weights puller at {ip}"))
+    obs.conflicts = conflicts
 
     status, events = compute(run.spec, obs, old, now_iso())
-    status["checkpointIdentity"] = old.get("checkpointIdentity") or checkpoint_identity(run.spec)
+    # informational: what the run's checkpoints are for (decisions read the ConfigMap)
+    status["checkpointIdentity"] = fixed or checkpoint_identity(run.spec)
     merged = {**old, **status}
     state.last_status = (rv, merged)
     if merged.get("phase") in TERMINAL:
@@ -188,10 +240,9 @@ def _merge_progress(old: progress.Progress | None,
 
 def _ttl_expired(run: AsyncGRPORun, status: dict[str, Any]) -> bool:
     ttl = run.spec.ttl_seconds_after_finished
-    done = status.get("completionTime")
-    if ttl is None or status.get("phase") not in TERMINAL or not done:
+    finished = untrusted.timestamp(status.get("completionTime"))
+    if ttl is None or status.get("phase") not in TERMINAL or finished is None:
         return False
-    finished = datetime.strptime(done, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
     return (datetime.now(UTC) - finished).total_seconds() >= ttl
 
 
@@ -278,9 +329,11 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
     return action
 
 
-def _act_on_bucket_job(rt: Runtime, owner: dict[str, Any],
-                       action: tuple[str, dict[str, Any]] | None) -> list[tuple[str, str]]:
-    """Create or delete the setup Job; a refused creation is reported like any child's."""
+def _act_on_bucket_job(rt: Runtime, state: RunState, owner: dict[str, Any],
+                       action: tuple[str, dict[str, Any]] | None,
+                       conflicts: list[tuple[str, str]], uid: str) -> list[tuple[str, str]]:
+    """Create or delete the setup Job; a refused creation is reported like any child's, a
+    name held by a Job that is not the run's is a conflict (never read as the run's)."""
     if action is None:
         return []
     verb, job = action
@@ -288,7 +341,7 @@ def _act_on_bucket_job(rt: Runtime, owner: dict[str, Any],
     try:
         if verb == "create":
             kopf.adopt(job, owner=owner)
-            rt.kube.create(job)
+            _create_own(rt, state, job, uid, conflicts)
         else:   # Background: the Job goes now, its pod after it (told apart by owner uid)
             rt.kube.delete("Job", ns, job_name, propagation="Background")
     except ApiException as e:
@@ -299,38 +352,106 @@ def _act_on_bucket_job(rt: Runtime, owner: dict[str, Any],
     return []
 
 
+def _known_conflicts(state: RunState, foreign: list[Child]) -> list[tuple[str, str]]:
+    """Names held by objects that are not the run's: those in the index (the operator's
+    labels, another owner) and those a create found (409, then a read) until their retry."""
+    now = time.monotonic()
+    for key in [k for k, until in state.conflicts.items() if until <= now]:
+        del state.conflicts[key]
+    found = {(c.kind, c.name) for c in foreign} | set(state.conflicts)
+    return sorted(found)
+
+
+def _ours_after_all(rt: Runtime, obj: dict[str, Any], uid: str) -> bool:
+    """After a create answered 409: the object is the run's (a cache that lagged), or gone."""
+    meta = obj["metadata"]
+    found = rt.kube.get(obj["kind"], meta["namespace"], meta["name"])
+    return found is None or ownership.owned_by(found.get("metadata") or {}, uid)
+
+
+def _create_own(rt: Runtime, state: RunState, obj: dict[str, Any], uid: str,
+                conflicts: list[tuple[str, str]]) -> bool:
+    """Create `obj`; False (and a conflict recorded) when its name is held by an object that
+    is not the run's."""
+    key = (obj["kind"], obj["metadata"]["name"])
+    if rt.kube.create(obj) is None and not _ours_after_all(rt, obj, uid):
+        state.conflicts[key] = time.monotonic() + CONFLICT_RETRY_SECONDS
+        if key not in conflicts:
+            conflicts.append(key)
+        return False
+    return True
+
+
 def _ensure_secret(rt: Runtime, state: RunState, run: AsyncGRPORun,
-                   owner: dict[str, Any]) -> None:
+                   owner: dict[str, Any], obs: Observation) -> list[tuple[str, str]]:
+    """The run's token Secret, created once; returns [("Secret", name)] when that name is
+    held by a Secret that is not the run's (its tokens would be the tenant's choice)."""
     if state.secret_ready:
-        return
-    ns = run.metadata.namespace
-    found = rt.kube.get("Secret", ns, secret.secret_name(run))
+        return []
+    ns, sname = run.metadata.namespace, secret.secret_name(run)
+    if ("Secret", sname) in state.conflicts:
+        return [("Secret", sname)]
+    found = rt.kube.get("Secret", ns, sname)
+    uid = str(owner["metadata"].get("uid") or "")
     if found is None:
         body = secret.build_secret(run)
         kopf.adopt(body, owner=owner)
-        rt.kube.create(body)
+        conflicts: list[tuple[str, str]] = []
+        if not _create_own(rt, state, body, uid, conflicts):
+            return conflicts
         token = body["stringData"][secret.GATEWAY_TOKEN_KEY]
+    elif not ownership.owned_by(found.get("metadata") or {}, uid):
+        state.conflicts[("Secret", sname)] = time.monotonic() + CONFLICT_RETRY_SECONDS
+        return [("Secret", sname)]
     else:
-        raw = (found.get("data") or {}).get(secret.GATEWAY_TOKEN_KEY, "")
-        token = base64.b64decode(raw).decode() if raw else None
+        try:
+            token = untrusted.secret_text(found.get("data"), secret.GATEWAY_TOKEN_KEY)
+        except ValueError as e:
+            obs.endpoint_problems.append(("TokenSecretInvalid", (
+                f"Secret {sname}: {e}; delete it to have new tokens made")))
+            return []   # read again next time: someone may fix it
     state.gateway_token, state.secret_ready = token, True
+    return []
 
 
-def _resolve_hosts(rt: Runtime, state: RunState, run: AsyncGRPORun) -> list[str]:
+def _resolve_hosts(rt: Runtime, run: AsyncGRPORun, obs: Observation) -> list[str]:
+    """The addresses of the run's allowedEgressHosts the operator knows, from the cache of
+    `tenant_io` (asynchronous lookups with a deadline: never a DNS wait on this thread)."""
     sb = run.spec.sandboxes
     if sb is None or not sb.network.allowed_egress_hosts:
         return []
-    if time.monotonic() - state.resolved_at < rt.settings.dns_refresh_seconds:
-        return state.resolved
-    found: set[str] = set()
-    for host in sb.network.allowed_egress_hosts:
-        try:
-            found |= {ai[4][0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
-        except OSError:
-            log.warning("cannot resolve allowed egress host %s of %s", host, run.metadata.name)
-            found |= {a for a in state.resolved}  # keep the last answer rather than cut egress
-    state.resolved, state.resolved_at = sorted(found), time.monotonic()
-    return state.resolved
+    found, missing = rt.tenant_io.resolve(run.metadata.namespace or "",
+                                          list(sb.network.allowed_egress_hosts),
+                                          ttl=rt.settings.dns_refresh_seconds)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        obs.endpoint_problems.append(("EgressHostsUnresolved", (
+            f"{', '.join(missing[:3])}{more} of spec.sandboxes.network.allowedEgressHosts "
+            f"did not resolve within {rt.settings.dns_deadline_seconds:g} s: the sandboxes' "
+            "egress to them is closed until they do (the last answer is kept)")))
+    return found
+
+
+def _read(rt: Runtime, obs: Observation, key: tuple, ns: str, url: str, parse,
+          max_bytes: int, budget: Budget, what: str, method: str = "GET",
+          headers: dict[str, str] | None = None):
+    """The newest value read from a tenant's endpoint (`tenant_io`: never longer than the
+    budget on this thread), its last good one when the newest failed; a slow, oversized or
+    malformed answer is also noted for the status."""
+    io = rt.tenant_io
+    reading = io.read(key, ns, url, parse, max_bytes=max_bytes, wait=budget.left(),
+                      method=method, headers=headers)
+    if reading is None:
+        return None
+    if reading.problem is not None:
+        reason, message = reading.problem
+        if reason != "EndpointUnreachable":
+            obs.endpoint_problems.append((reason, f"{what} {message}"))
+        if method != "GET":
+            return None
+        good = io.last_good(key)
+        return good.value if good is not None else None
+    return reading.value
 
 
 # ---------------------------------------------------------------- children
@@ -345,10 +466,15 @@ def api_error(e: ApiException) -> tuple[str, str]:
     return doc.get("reason") or f"HTTP{e.status}", (doc.get("message") or str(e.reason))[:500]
 
 
-def _apply(rt: Runtime, owner: dict[str, Any], desired: list[dict[str, Any]],
-           children: list[Child]) -> list[tuple[str, str]]:
-    """Create what is missing, patch what drifted; returns refused writes (reason, message)."""
+def _apply(rt: Runtime, state: RunState, owner: dict[str, Any], desired: list[dict[str, Any]],
+           children: list[Child], foreign: list[Child], conflicts: list[tuple[str, str]],
+           uid: str, prune: bool = True) -> list[tuple[str, str]]:
+    """Create what is missing, patch what drifted, prune what the spec no longer implies;
+    returns refused writes (reason, message). `children` are the run's own (controller
+    reference to its uid): a name held by anything else is added to `conflicts`, never
+    patched, used or deleted."""
     have = {(c.kind, c.name): c for c in children}
+    held = {(c.kind, c.name) for c in foreign}
     wanted = set()
     errors = []
     for obj in desired:
@@ -356,9 +482,13 @@ def _apply(rt: Runtime, owner: dict[str, Any], desired: list[dict[str, Any]],
         wanted.add(key)
         kopf.adopt(obj, owner=owner)
         current = have.get(key)
+        if current is None and (key in held or key in state.conflicts):
+            if key not in conflicts:
+                conflicts.append(key)
+            continue
         try:
             if current is None:
-                rt.kube.create(obj)
+                _create_own(rt, state, obj, uid, conflicts)
             elif current.hash != obj["metadata"]["annotations"][HASH_ANNOTATION] \
                     and not current.deleting:
                 rt.kube.patch(obj)
@@ -367,49 +497,69 @@ def _apply(rt: Runtime, owner: dict[str, Any], desired: list[dict[str, Any]],
                 raise
             reason, message = api_error(e)
             errors.append((reason, f"{key[0]} {key[1]}: {message}"))
+    if not prune:
+        return errors
     ns = owner["metadata"]["namespace"]
     for c in children:
-        if c.kind in PRUNED_KINDS and (c.kind, c.name) not in wanted and not c.deleting:
+        if c.kind in PRUNED_KINDS and (c.kind, c.name) not in wanted and not c.deleting \
+                and c.kind not in ownership.WORKLOAD_KINDS:
             rt.kube.delete(c.kind, ns, c.name)
     return errors
+
+
+def _prune_workloads(rt: Runtime, ns: str, desired: list[dict[str, Any]],
+                     children: list[Child]) -> None:
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    for c in children:
+        if c.kind in PRUNED_KINDS and c.kind in ownership.WORKLOAD_KINDS \
+                and (c.kind, c.name) not in wanted and not c.deleting:
+            rt.kube.delete(c.kind, ns, c.name)
 
 
 # ---------------------------------------------------------------- sandbox pool
 
 
-def _fetch_demand(rt: Runtime, ns: str, name: str) -> pool.Demand | None:
+#: most bytes of a gateway's answer the operator reads
+MAX_DEMAND_BYTES = 1 << 20
+
+
+def _fetch_demand(rt: Runtime, obs: Observation, ns: str, name: str,
+                  budget: Budget) -> pool.Demand | None:
     url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + "/v1/demand"
-    try:  # an open route of the gateway: no token sent
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return pool.Demand.from_json(json.loads(resp.read(1 << 22)))
-    except (OSError, ValueError):
-        return None
+    # an open route of the gateway: no token sent
+    return _read(rt, obs, (ns, name, "demand"), ns, url, untrusted.demand, MAX_DEMAND_BYTES,
+                 budget, "the sandbox gateway's /v1/demand")
 
 
-def _drain(rt: Runtime, state: RunState, ns: str, name: str, pod: str) -> bool:
-    """Ask the gateway to stop leasing `pod`; True once it says the pod may be deleted."""
+def _drain(rt: Runtime, state: RunState, obs: Observation, ns: str, name: str, pod: str,
+           budget: Budget) -> bool:
+    """Ask the gateway to stop leasing `pod`; True once it says the pod may be deleted (an
+    answer may come on a later reconcile: the ask does not wait past the budget)."""
     url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + \
         f"/v1/members/{pod}/drain"
-    req = urllib.request.Request(url, data=b"", method="POST", headers={
-        "Authorization": f"Bearer {state.gateway_token or ''}"})
-    try:
-        with urllib.request.urlopen(req, timeout=2.0) as resp:
-            return bool(json.loads(resp.read(1 << 16)).get("safe_to_delete"))
-    except (OSError, ValueError):
-        return False
+    return bool(_read(rt, obs, (ns, name, "drain", pod), ns, url, untrusted.drain, 1 << 16,
+                      budget, "the sandbox gateway's drain", method="POST",
+                      headers={"Authorization": f"Bearer {state.gateway_token or ''}"}))
 
 
-def _namespace_room(rt: Runtime, ns: str, name: str, live: int) -> int:
-    """Sandbox pods this run may still add under the per-namespace cap (other runs' counts
-    are what their last reconcile saw)."""
+def _reserve_room(rt: Runtime, state: RunState, ns: str, name: str, live: int,
+                  wanted: int) -> int:
+    """How many of `wanted` new sandbox pods this run may create under the per-namespace cap,
+    reserved at once: counting and reserving under one lock, so runs reconciled at the same
+    time never both take the last room (other runs' counts: their live pods plus what they
+    reserved)."""
     with rt._lock:
         others = sum(st.sandbox_pods for (n, r), st in rt.runs.items()
                      if n == ns and r != name)
-    return rt.settings.caps.sandboxes_per_namespace - others - live
+        room = max(0, rt.settings.caps.sandboxes_per_namespace - others - live)
+        granted = min(wanted, room)
+        state.sandbox_pods = live + granted
+    return granted
 
 
 def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun,
-                children: list[Child], stopped: bool
+                children: list[Child], stopped: bool, foreign: list[Child],
+                conflicts: list[tuple[str, str]], uid: str, budget: Budget, obs: Observation
                 ) -> tuple[dict[str, int], int, tuple[str, str] | None]:
     spec = run.spec.sandboxes
     assert spec is not None
@@ -424,7 +574,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     adds, dels = rt.expectations.observe(key, [p.name for p in pods])
     demand = None
     if not stopped and _ready(children, "gateway"):
-        demand = _fetch_demand(rt, ns, name)
+        demand = _fetch_demand(rt, obs, ns, name, budget)
     excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
     plan = pool.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped,
                      max_step=rt.settings.pool_max_step)
@@ -440,22 +590,24 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         error, plan = state.pool_error[1], pool.Plan(0, plan.delete, plan.replace, plan.live,
                                                      plan.target)
     live = sum(1 for p in pods if not p.deleting) + len(adds)
-    state.sandbox_pods = live
-    room = _namespace_room(rt, ns, name, live)
-    if plan.create > room:
+    granted = _reserve_room(rt, state, ns, name, live, plan.create)
+    if plan.create > granted:
         caps = rt.settings.caps
         error = ("NamespaceSandboxCap", (f"the namespace holds the operator's cap of "
                  f"{caps.sandboxes_per_namespace} sandbox pods (all runs together)"))
-        plan = pool.Plan(max(room, 0), plan.delete, plan.replace, plan.live, plan.target)
-    taken = {p.name for p in pods} | adds
+        plan = pool.Plan(granted, plan.delete, plan.replace, plan.live, plan.target)
+    taken = {p.name for p in pods} | adds | {c.name for c in foreign if c.kind == "Pod"}
     prefix = sandboxes.pod_prefix(run)
     for pod in pool.free_names(prefix, taken, plan.create):
         body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"))
         kopf.adopt(body, owner=owner)
         rt.expectations.expect_create(key, pod)   # kept on AlreadyExists: it exists
         try:
-            if rt.kube.create(body) is not None:
+            if _create_own(rt, state, body, uid, conflicts):
                 created += 1
+            else:   # the name is another object's: it never appears as the run's
+                rt.expectations.observe(key, [pod])
+                break
         except ApiException as e:
             rt.expectations.observe(key, [pod])  # settle: this one will never appear
             if e.status >= 500:
@@ -463,10 +615,13 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
             error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
             state.pool_error = (time.monotonic() + POOL_RETRY_SECONDS, error, current)
             break
+    with rt._lock:   # the unused part of the reservation goes back
+        state.sandbox_pods = live + created
     if created and error is None:
         state.pool_error = None
     # unhealthy (or suspended) pods go now; idle ones only once the gateway drained them
-    deleted = list(plan.replace) + [p for p in plan.delete if _drain(rt, state, ns, name, p)]
+    deleted = list(plan.replace) + [p for p in plan.delete
+                                    if _drain(rt, state, obs, ns, name, p, budget)]
     for pod in deleted:
         rt.expectations.expect_delete(key, pod)
         rt.kube.delete("Pod", ns, pod)

@@ -65,6 +65,19 @@ class Settings:
     expectations_ttl_seconds: float = 300.0
     #: Seconds between DNS lookups of allowedEgressHosts.
     dns_refresh_seconds: float = 60.0
+    #: Seconds one lookup of a tenant-chosen name may take (controller.tenant_io).
+    dns_deadline_seconds: float = 2.0
+    #: DNS servers for tenant-chosen names ("ip" or "ip:port"); empty: the system's.
+    dns_nameservers: list[str] = field(default_factory=list)
+    #: Seconds one exchange with a tenant's endpoint (trainer metrics, gateway demand and
+    #: drain, weights pullers) may take, connect to last byte; past it: EndpointSlow.
+    endpoint_deadline_seconds: float = 3.0
+    #: Seconds one reconcile waits, over all its reads, for endpoints that answered in time
+    #: before; a slow endpoint is not waited for (its run shows its last reading).
+    endpoint_wait_seconds: float = 1.0
+    #: Exchanges with tenants' endpoints at once, per namespace and over all.
+    endpoint_reads_per_namespace: int = 4
+    endpoint_reads_total: int = 64
     #: Most sandbox pods created or deleted per run in one reconcile.
     pool_max_step: int = 64
     #: Kubeconfig to use instead of the pod's service account or $KUBECONFIG (tests run the
@@ -113,9 +126,9 @@ class RunState:
     last_status: tuple[str | None, dict[str, Any]] | None = None   # (body rv, status computed)
     #: a refused sandbox creation: (retry after, (reason, message), pod template hash)
     pool_error: tuple[float, tuple[str, str], str] | None = None
-    resolved_at: float = 0.0
-    resolved: list[str] = field(default_factory=list)
     progress: Progress | None = None
+    #: children found that this run does not own: (kind, name) -> retry creating after
+    conflicts: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,6 +141,29 @@ class Runtime:
     fence: Any = None
     runs: dict[tuple[str, str], RunState] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _tenant_io: Any = None
+
+    @property
+    def tenant_io(self):
+        """The reads of tenants' endpoints and names (`controller.tenant_io`), started on
+        first use."""
+        from asyncgrpo.controller.tenant_io import Limits, TenantIO
+
+        with self._lock:
+            if self._tenant_io is None:
+                s = self.settings
+                self._tenant_io = TenantIO(Limits(
+                    deadline=s.endpoint_deadline_seconds,
+                    per_namespace=s.endpoint_reads_per_namespace,
+                    total=s.endpoint_reads_total, dns_deadline=s.dns_deadline_seconds,
+                    nameservers=list(s.dns_nameservers)))
+            return self._tenant_io
+
+    def close(self) -> None:
+        with self._lock:
+            io, self._tenant_io = self._tenant_io, None
+        if io is not None:
+            io.close()
 
     def run(self, key: tuple[str, str]) -> RunState:
         with self._lock:
@@ -138,3 +174,5 @@ class Runtime:
             self.runs.pop(key, None)
         self.expectations.forget("/".join(key))
         self.metrics.forget(*key)
+        if self._tenant_io is not None:
+            self._tenant_io.forget(key)

@@ -2,23 +2,21 @@
 
 Each vLLM pod's weights puller knows the version its server has swapped in (`/status`,
 `served_version`). Replicas catch up on their own, so the run's status shows the spread:
-the oldest and the newest version served, over the replicas that answered. Read from each
-pod's IP with a short timeout, all replicas at once, so a silent pod costs the reconcile
-at most one timeout.
+the oldest and the newest version served, over the replicas that answered. The pullers run in
+the tenant's pods, so the reads go through `controller.tenant_io` (a deadline for the whole
+exchange, a size cap, off kopf's threads) and the answer through `untrusted.puller`.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncgrpo.controller.observe import Child
 from asyncgrpo.wire import PULLER_PORT
 
-#: at most this many replicas are read at once (the rest wait their turn)
-MAX_PARALLEL = 8
+#: most bytes of a puller's /status the operator reads
+MAX_STATUS_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -31,16 +29,9 @@ class ServedWeights:
         return {"oldest": self.oldest, "newest": self.newest, "replicas": self.replicas}
 
 
-def read_puller(ip: str, port: int = PULLER_PORT, timeout: float = 1.0) -> int | None:
-    """The version one replica serves; None if its puller does not answer or serves none."""
+def puller_url(ip: str, port: int = PULLER_PORT) -> str:
     host = f"[{ip}]" if ":" in ip else ip
-    try:
-        with urllib.request.urlopen(f"http://{host}:{port}/status", timeout=timeout) as resp:
-            doc = json.loads(resp.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    version = doc.get("served_version") if isinstance(doc, dict) else None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
+    return f"http://{host}:{port}/status"
 
 
 def summarize(versions: list[int | None]) -> ServedWeights | None:
@@ -50,11 +41,15 @@ def summarize(versions: list[int | None]) -> ServedWeights | None:
     return ServedWeights(oldest=min(known), newest=max(known), replicas=len(known))
 
 
-def served_weights(children: list[Child], read=read_puller) -> ServedWeights | None:
-    """Over the run's running vLLM pods."""
-    ips = [c.ip for c in children if c.kind == "Pod" and c.component == "vllm"
-           and c.ip and not c.deleting and c.phase == "Running"]
+def running_ips(children: list[Child]) -> list[str]:
+    return [c.ip for c in children if c.kind == "Pod" and c.component == "vllm"
+            and c.ip and not c.deleting and c.phase == "Running"]
+
+
+def served_weights(children: list[Child], read: Callable[[str], int | None]
+                   ) -> ServedWeights | None:
+    """Over the run's running vLLM pods; `read(ip)` is the version one serves (or None)."""
+    ips = running_ips(children)
     if not ips:
         return None
-    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(ips))) as pool:
-        return summarize(list(pool.map(read, ips)))
+    return summarize([read(ip) for ip in ips])

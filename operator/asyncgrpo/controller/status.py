@@ -51,6 +51,11 @@ class Observation:
     pool_error: tuple[str, str] | None = None
     #: full fine-tuning: the weights versions the vLLM replicas serve (oldest, newest)
     served_weights: ServedWeights | None = None
+    #: (kind, name) of children whose names are held by objects that are not the run's
+    conflicts: list[tuple[str, str]] = field(default_factory=list)
+    #: (reason, message): a tenant endpoint that was slow, too large or malformed, names
+    #: that did not resolve, a token Secret that cannot be read (controller.tenant_io)
+    endpoint_problems: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -170,12 +175,18 @@ def _conditions_and_phase(spec: AsyncGRPORunSpec, obs: Observation, old: dict[st
     if degraded is None:
         degraded = next(((c["reason"], c["message"]) for c in conds
                          if c["status"] == "False" and c["reason"] not in _ON_THE_WAY), None)
+    if degraded is None and obs.endpoint_problems:
+        degraded = obs.endpoint_problems[0]
+    if obs.conflicts:
+        from asyncgrpo.controller.ownership import message
+
+        degraded = ("ChildConflict", message(obs.conflicts))
 
     if terminal:
         phase = terminal
     elif spec.suspend:
         phase = SUSPENDED
-    elif obs.bucket_error is not None or bucket_pending:
+    elif obs.bucket_error is not None or bucket_pending or obs.conflicts:
         phase = PENDING
     elif trainer["status"] == "True":
         phase = RUNNING

@@ -122,6 +122,26 @@ def test_reset_wipes_tmp_shm_and_ipc_of_the_sandbox_uid(tmp_path):
         sb.stop()
 
 
+def test_scoring_sees_nothing_the_rollout_left_in_tmp_or_shm(tmp_path):
+    """A rollout's leftovers outside its workspace (a file in /tmp the tests would pick up)
+    are gone before the row's tests run in the scoring session."""
+    if os.geteuid() != 0:
+        pytest.skip("root mode: the sandbox has a uid of its own whose leftovers are found by owner")
+    sb = start_sandbox(tmp_path, "score-residue")
+    try:
+        reset(sb, "rollout-secret-0123456789ab")
+        c = lease_client(sb, "rollout-secret-0123456789ab")
+        mark = f"asyncgrpo-{os.getpid()}-{time.monotonic_ns()}"
+        c.post("/v1/exec", json={"command": f"echo 1 > /tmp/{mark}; echo 1 > /dev/shm/{mark}"}
+               ).raise_for_status()
+        scored = c.post("/v1/score", json={
+            "command": f"test ! -e /tmp/{mark} && test ! -e /dev/shm/{mark}",
+            "files": {"check.txt": "x"}, "editable": []}).json()
+        assert scored["exit_code"] == 0, scored
+    finally:
+        sb.stop()
+
+
 def test_root_mode_changes_directory_as_the_command_uid(tmp_path):
     """A cwd checked while it was a directory, swapped for a symlink to a root-only place
     before the command started: the chdir is done with the command's rights, so it fails."""

@@ -484,7 +484,9 @@ class SandboxServer:
         """Score a rollout where it never ran: see `ScoreRequest` and docs/sandboxes.md "Reward integrity".
 
         Every process of the sandbox is killed first (the rollout's background jobs and
-        escapees included: a sandbox serves one rollout), then only the editable paths are
+        escapees included: a sandbox serves one rollout) and its files in /tmp, /dev/shm and
+        its SysV IPC objects are removed (where the server can tell them by uid), then only
+        the editable paths are
         read out of the rollout's session, the workspace is wiped, and the row's files plus
         those are written into a fresh session. The test command runs there with a clean
         environment: the server's PATH, a fresh empty HOME, no user site, no cwd on
@@ -499,6 +501,9 @@ class SandboxServer:
         async with self.reset_lock:
             generation = self.gate.fence()
             await self.runner.sweep()
+            # what the rollout left outside the workspace (/tmp, /dev/shm, SysV IPC) must not
+            # reach the tests either (the same sweep as a reset: `residue.Residue`)
+            await asyncio.to_thread(self.residue.remove)
             try:
                 kept, home, cwd = await asyncio.to_thread(self._scoring_session, req)
             except PathRefused as err:

@@ -6,7 +6,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun, SandboxSpec
-from asyncgrpo.controller.pool import Demand, Expectations, PodView, free_names, plan
+from asyncgrpo.controller.pool import (
+    Demand,
+    Expectations,
+    PodView,
+    free_names,
+    plan,
+    refill_warm,
+)
 from tests.operator.helpers import example
 
 SPEC = SandboxSpec(min_warm=2, max=20, hard_cap=25, idle_ttl_seconds=60)
@@ -104,6 +111,29 @@ def test_retired_pods_are_deleted_and_replaced_in_the_same_reconcile():
     d = Demand(busy=1, members={"a": "busy", "b": "retired", "c": "retired", "d": "warm"})
     p = plan(SandboxSpec(min_warm=2, max=10, hard_cap=10), live, set(), set(), d, 0)
     assert p.replace == ["b", "c"] and p.create == 1 and p.live == 2
+
+
+def test_the_warm_pool_covers_what_is_consumed_while_replacements_start():
+    """FreshPerGroup consumes a pod per lease: at 0.4 sandboxes/s the pool keeps
+    0.4 x 15 s = 6 more warm than minWarm, so a lease does not wait for a replacement."""
+    live = pods("a", "b")
+    steady = Demand(busy=0, members={"a": "warm", "b": "warm"})
+    assert plan(SPEC, live, set(), set(), steady, 0).create == 0
+    busy = Demand(busy=0, members={"a": "warm", "b": "warm"}, consumption_per_second=0.4)
+    assert plan(SPEC, live, set(), set(), busy, 0).create == 6
+    assert refill_warm(2, float("nan")) == 2 and refill_warm(2, -1.0) == 2
+
+
+def test_a_hostile_consumption_rate_is_refused_as_data():
+    from asyncgrpo.controller import untrusted
+
+    assert untrusted.demand(b'{"consumption_per_second": 0.5}').consumption_per_second == 0.5
+    for bad in (b'{"consumption_per_second": "x"}', b'{"consumption_per_second": 1e400}'):
+        try:
+            untrusted.demand(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
 
 
 def test_the_gateway_gets_the_lease_lifecycle():

@@ -24,6 +24,7 @@ allowed to delete could delete every pod of the namespace; it stays read-only.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -47,12 +48,28 @@ class Demand:
     waiting: int = 0
     starting: int = 0
     members: dict[str, str] = field(default_factory=dict)   # pod name -> gateway state
+    #: sandboxes retired per second lately (FreshPerGroup): what the pool must refill
+    consumption_per_second: float = 0.0
 
     @classmethod
     def from_json(cls, doc: dict) -> Demand:
         return cls(busy=int(doc.get("busy", 0)), idle=int(doc.get("idle", 0)),
                    waiting=int(doc.get("waiting", 0)), starting=int(doc.get("starting", 0)),
-                   members={str(k): str(v) for k, v in (doc.get("members") or {}).items()})
+                   members={str(k): str(v) for k, v in (doc.get("members") or {}).items()},
+                   consumption_per_second=float(doc.get("consumption_per_second", 0.0)))
+
+
+#: seconds between a sandbox being consumed and its replacement serving: one operator resync
+#: (10 s) plus a pod start (a few seconds); the warm pool holds this much consumption extra
+REFILL_HORIZON_SECONDS = 15.0
+
+
+def refill_warm(min_warm: int, consumption_per_second: float,
+                horizon_s: float = REFILL_HORIZON_SECONDS) -> int:
+    """minWarm plus what the run consumes while a replacement is on its way, so a fresh
+    sandbox per group still finds a warm pod at steady state."""
+    rate = consumption_per_second if math.isfinite(consumption_per_second) else 0.0
+    return min_warm + math.ceil(max(0.0, rate) * horizon_s)
 
 
 @dataclass
@@ -150,7 +167,8 @@ def plan(spec: SandboxSpec, pods: list[PodView], pending_creates: set[str],
     else:
         target = desired_pool_size(
             current=current, busy=min(demand.busy, current), waiting=demand.waiting,
-            starting=min(demand.starting + unknown, current), min_warm=spec.min_warm,
+            starting=min(demand.starting + unknown, current),
+            min_warm=refill_warm(spec.min_warm, demand.consumption_per_second),
             max_size=spec.max, hard_cap=spec.hard_cap, max_step=max_step)
     if target > current:
         room = spec.hard_cap - current - len(replace)

@@ -77,7 +77,9 @@ def demand(body: bytes):
     return Demand(**{k: count(doc.get(k, 0), f"demand {k}", MAX_MEMBERS)
                      for k in ("busy", "idle", "waiting", "starting")},
                   members={short_text(k, "a member name"): short_text(v, "a member state", 32)
-                           for k, v in members.items()})
+                           for k, v in members.items()},
+                  consumption_per_second=min(real(doc.get("consumption_per_second", 0.0),
+                                                  "demand consumption_per_second"), MAX_MEMBERS))
 
 
 def drain(body: bytes) -> bool:

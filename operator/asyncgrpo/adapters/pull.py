@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -96,6 +95,7 @@ def fetch_final_from_dir(store, s3_dir: Path, dest: Path):
         AdapterCorrupt,
         AdapterNotFound,
         parse_any_manifest,
+        replace_verified,
         sha256_file,
     )
 
@@ -104,9 +104,7 @@ def fetch_final_from_dir(store, s3_dir: Path, dest: Path):
         raise AdapterNotFound(f"no final result at {src} (the run has not finished, or its "
                               "local S3 keeps its objects elsewhere: --s3-dir)")
     manifest = parse_any_manifest((src / MANIFEST).read_bytes(), str(src / MANIFEST))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
+    def copy_verified(tmp: Path) -> None:
         for rel, entry in manifest.files.items():
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -115,14 +113,8 @@ def fetch_final_from_dir(store, s3_dir: Path, dest: Path):
             shutil.copyfile(src / rel, target)
             if target.stat().st_size != entry.size or sha256_file(target) != entry.sha256:
                 raise AdapterCorrupt(f"{src / rel} does not match its manifest")
-        (tmp / MANIFEST).write_text(manifest.to_json())
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.rename(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest, manifest
+
+    return replace_verified(dest, manifest, copy_verified)
 
 
 def pull(run, dest: Path, s3_dir: Path | None = None):

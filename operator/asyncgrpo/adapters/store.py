@@ -101,6 +101,24 @@ def parse_adapter_name(name: str, name_prefix: str = DEFAULT_NAME_PREFIX) -> int
     return int(rest)
 
 
+def replace_verified(dest: Path, manifest, fill) -> tuple[Path, Any]:
+    """`fill(tmp)` writes and verifies every file of `manifest` into a temporary sibling of
+    `dest`; then the manifest is added and the folder swapped in whole (an existing `dest` is
+    replaced), so `dest` never holds a partial or unverified copy. Returns (dest, manifest)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        fill(tmp)
+        (tmp / MANIFEST).write_text(manifest.to_json())
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest, manifest
+
+
 @dataclass(frozen=True)
 class FileEntry:
     sha256: str
@@ -533,19 +551,8 @@ class AdapterStore:
         if manifest is None:
             raise AdapterNotFound(f"no final result at {self.url(self.final_prefix)} (the run "
                                   "has not finished, or finished before final/ existed)")
-        dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-        try:
-            self._download_verified(manifest.version, manifest, tmp, vprefix=self.final_prefix)
-            (tmp / MANIFEST).write_text(manifest.to_json())
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.rename(tmp, dest)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        return dest, manifest
+        return replace_verified(Path(dest), manifest, lambda tmp: self._download_verified(
+            manifest.version, manifest, tmp, vprefix=self.final_prefix))
 
     # -- retention --------------------------------------------------------------------------
 

@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +42,7 @@ from asyncgrpo.adapters.store import (
     FileEntry,
     _check_relpath,
     parse_files,
+    replace_verified,
 )
 
 log = logging.getLogger(__name__)
@@ -139,20 +137,9 @@ class WeightStore(AdapterStore):
     def fetch(self, version: int, dest: str | Path,  # type: ignore[override]
               manifest: WeightsManifest | None = None) -> tuple[Path, WeightsManifest]:
         """Download a complete version into ``dest``, verified (sizes, sha256) before it appears."""
-        dest = Path(dest)
         manifest = manifest or self.manifest(version)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-        try:
-            self._download_verified(version, manifest, tmp)
-            (tmp / MANIFEST).write_text(manifest.to_json())
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.rename(tmp, dest)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        return dest, manifest
+        return replace_verified(Path(dest), manifest,
+                                lambda tmp: self._download_verified(version, manifest, tmp))
 
     def plan(self, have: int | None, latest: int) -> list[WeightsManifest]:
         """The versions to apply, in order, to go from a local copy at ``have`` (None: no

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from .conftest import wait_for
-from .test_runs_on_the_node import status_of, wait_phase
+from .test_runs_on_the_node import status_of
 from .test_tiny_lora_run import prompts_configmap, tiny_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow]
@@ -54,14 +54,27 @@ def test_a_run_placed_on_a_tainted_pool_trains_and_one_without_says_why(e2e_stac
                              "labels": {"kueue.x-k8s.io/queue-name": "team-a"}}
     placed["spec"]["serviceAccount"] = {"annotations": {"eks.amazonaws.com/role-arn": ROLE}}
     stack.apply(prompts_configmap(ns), placed)
-    status = wait_phase(stack, "placed", ns, timeout=1200)
+    # the run's pods as they ran: a finished run's workloads are scaled to zero, so they are
+    # looked at while it runs
+    seen: dict[str, dict] = {}
+
+    def finished():
+        for p in json.loads(stack.kubectl("-n", ns, "get", "pods", "-l",
+                                          "asyncgrpo.dev/run=placed", "-o", "json"))["items"]:
+            if p["spec"].get("nodeName"):
+                seen[p["metadata"]["name"]] = p
+        s = status_of(stack, "placed", ns)
+        return s if s.get("phase") in ("Succeeded", "Failed") else None
+
+    status = wait_for("the placed run finished", finished, timeout=1200, interval=2,
+                      on_timeout=lambda: stack.describe(ns)
+                      + stack.logs(ns, "app.kubernetes.io/component=trainer"))
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
 
     account = stack.get("serviceaccount", "placed-workload", ns)
     assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == ROLE
     assert {"name": "registry"} in account["imagePullSecrets"]
-    pods = json.loads(stack.kubectl("-n", ns, "get", "pods", "-l",
-                                    "asyncgrpo.dev/run=placed", "-o", "json"))["items"]
+    pods = list(seen.values())
     assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods} >= {
         "trainer", "vllm"}
     for p in pods:

@@ -27,12 +27,14 @@ def test_trl_rollout_loop_probes_and_calls_the_sandbox_environment(tmp_path, mon
     from asyncgrpo.sandbox.environment import SandboxEnvironmentFactory
     from asyncgrpo.trainer.tiny_tokenizer import tiny_tokenizer
 
-    sb = start_sandbox(tmp_path, "trl")
-    gw = start_gateway(tmp_path, [sb.url], "--health-interval-seconds", "0.3")
+    # a sandbox per rollout (siblings never share one): two for the group of two
+    sbs = [start_sandbox(tmp_path, f"trl{i}") for i in range(2)]
+    gw = start_gateway(tmp_path, [sb.url for sb in sbs], "--health-interval-seconds", "0.3")
     monkeypatch.setenv("ASYNCGRPO_GATEWAY_TOKEN", GW_TOKEN)
     try:
-        wait_until(lambda: httpx.get(f"{gw.url}/v1/demand").json()["idle"] == 1, 30, what="pool warm")
-        row = {"prompt": [{"role": "user", "content": "make hello.txt"}], "test_command": "grep -q hello hello.txt"}
+        wait_until(lambda: httpx.get(f"{gw.url}/v1/demand").json()["idle"] == 2, 30, what="pool warm")
+        row = {"prompt": [{"role": "user", "content": "make hello.txt"}], "test_command": "grep -q hello hello.txt",
+               "editable": ["hello.txt"]}  # the task author's contract: what the rollout may change
         dataset = datasets.Dataset.from_list([row])
         ctx = mp.get_context("spawn")
         tok = tiny_tokenizer()
@@ -74,7 +76,7 @@ def test_trl_rollout_loop_probes_and_calls_the_sandbox_environment(tmp_path, mon
         results, rewards = loop._loop.run_until_complete(one_group())
         (msgs0, calls0, fails0), (msgs1, calls1, fails1) = results
         assert [m["content"] for m in msgs0] == ["wrote 5 bytes to hello.txt", "exit code: 0\nstdout:\nhello"]
-        assert msgs1[0]["content"] == "exit code: 4"  # its own session: nothing there
+        assert msgs1[0]["content"] == "exit code: 4"  # its own sandbox: nothing there
         assert (calls0, fails0, calls1, fails1) == (2, 0, 2, 1)  # the unknown tool is the one failure
         assert rewards == [1.0, 0.0]
         wait_until(lambda: httpx.get(f"{gw.url}/v1/demand").json()["leases_active"] == 0, 20, what="released")
@@ -82,4 +84,5 @@ def test_trl_rollout_loop_probes_and_calls_the_sandbox_environment(tmp_path, mon
         loop._loop.close()
     finally:
         gw.stop()
-        sb.stop()
+        for sb in sbs:
+            sb.stop()

@@ -384,7 +384,7 @@ def register(sub) -> None:
     p = sub.add_parser("preflight", help="the deep checks of a run where its model, data and "
                        "modules are (the cluster's preflight Job); exit 1 on any error")
     p.add_argument("--config", type=Path, required=True, help="the run document")
-    p.add_argument("--termination-log", type=Path, default=Path("/dev/termination-log"),
+    p.add_argument("--termination-log", type=Path, default=Path(wire.TERMINATION_LOG),
                    help="where the errors go as JSON for the operator (if it exists)")
     p.set_defaults(func=_preflight_command)
 

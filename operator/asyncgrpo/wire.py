@@ -14,7 +14,9 @@ resolver, the `--help` of each CLI flag); this module only names them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
 # -- ports the programs listen on ------------------------------------------------------------
 #: vLLM's OpenAI-compatible server (the Service in front of every replica)
@@ -46,6 +48,19 @@ ADAPTER_CACHE_DIR = f"{CACHE_DIR}/adapters"
 WEIGHTS_DIR = f"{CACHE_DIR}/weights"
 #: root of the sandbox server's sessions
 SANDBOX_WORKSPACE = "/workspace"
+#: where the kubelet reads a container's termination message (Kubernetes' default path)
+TERMINATION_LOG = "/dev/termination-log"
+
+# -- routes of `asyncgrpo gateway` the operator calls (asyncgrpo.sandbox.gateway serves them) --
+#: open route: the pool's demand signal
+GATEWAY_DEMAND_PATH = "/v1/demand"
+#: control route (gateway token): stop leasing one member; {name} is the sandbox pod
+GATEWAY_DRAIN_PATH = "/v1/members/{name}/drain"
+
+# -- served adapter names --------------------------------------------------------------------
+#: version N of a run's policy is served as f"{DEFAULT_NAME_PREFIX}{N}" unless
+#: ADAPTER_NAME_PREFIX_ENV says otherwise; it ends in "-v" (TRL's naming scheme)
+DEFAULT_NAME_PREFIX = "policy-v"
 
 # -- environment variables -------------------------------------------------------------------
 #: every server's default bind host (the local backend gives each pod its own loopback
@@ -86,6 +101,11 @@ ADAPTER_BACKOFF_ENV = "ASYNCGRPO_ADAPTER_BACKOFF_S"
 ADAPTER_CACHE_DIR_ENV = "ASYNCGRPO_ADAPTER_CACHE_DIR"
 ADAPTER_ANY_RUN_ENV = "ASYNCGRPO_ADAPTER_ANY_RUN"
 
+# the bucket Job (`asyncgrpo bucket setup|cleanup`), besides the run's bucket variables
+RUN_UID_ENV = "ASYNCGRPO_RUN_UID"
+CREATE_BUCKET_ENV = "ASYNCGRPO_ADAPTER_CREATE_BUCKET"
+ALLOWED_ENDPOINTS_ENV = "ASYNCGRPO_ALLOWED_ENDPOINTS"
+
 # the weights puller sidecar (`asyncgrpo weights pull`)
 WEIGHTS_VLLM_URL_ENV = "ASYNCGRPO_WEIGHTS_VLLM_URL"
 WEIGHTS_DIR_ENV = "ASYNCGRPO_WEIGHTS_DIR"
@@ -114,6 +134,16 @@ GATEWAY_LIFECYCLE_ENV = GATEWAY_ENV_PREFIX + "LIFECYCLE"
 
 #: `asyncgrpo operator`: every flag has an ASYNCGRPO_OPERATOR_* default (the chart sets them)
 OPERATOR_ENV_PREFIX = "ASYNCGRPO_OPERATOR_"
+
+# -- outside the pods: a developer's or a test machine's cache ---------------------------------
+#: the cluster binaries, the vLLM CPU venv, images, helm (hack/*.sh honour it too)
+CACHE_ENV = "ASYNCGRPO_CACHE"
+
+
+def user_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """$ASYNCGRPO_CACHE, default ~/.cache/asyncgrpo: the machine-wide cache of the tools
+    and tests (never used inside a pod, whose caches are under CACHE_DIR)."""
+    return Path(env.get(CACHE_ENV) or Path.home() / ".cache" / "asyncgrpo")
 
 # -- facts both sides compute from the same variables ----------------------------------------
 #: Largest |served - trained| log-prob on the trainer's probe that still counts as in sync.

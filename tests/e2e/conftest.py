@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncgrpo import wire
 from asyncgrpo.testing import waiting
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ OPERATOR_DEPLOYMENT = "asyncgrpo-operator"  # the chart's fullname for release "
 
 
 def _cache() -> Path:
-    return Path(os.environ.get("ASYNCGRPO_CACHE", Path.home() / ".cache" / "asyncgrpo"))
+    return wire.user_cache_dir()
 
 
 def _image_env() -> dict[str, str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncgrpo import wire
 from asyncgrpo.api import load_run
 from asyncgrpo.controller import gateway, trainer, vllm
 from asyncgrpo.controller.configmap import run_document
@@ -353,7 +354,7 @@ def test_the_bucket_setup_jobs_pod_runs_the_clusters_command(tmp_path):
     lp = translate(setup.name, setup.spec["containers"][0], placement)
     assert setup.component == bucketjob.SETUP and setup.deadline_s > 0
     assert lp.argv == ["asyncgrpo", "bucket", "setup"]
-    assert lp.env[bucketjob.UID_ENV] == local_uid(run) == local_uid(load_run(
+    assert lp.env[wire.RUN_UID_ENV] == local_uid(run) == local_uid(load_run(
         REPO / "examples" / "local-tiny.yaml"))
     assert lp.env[TERMINATION_LOG_ENV] == str(termination_log(tmp_path, setup))
     assert lp.env["HOME"] == placement.volumes[setup.name]["tmp"]

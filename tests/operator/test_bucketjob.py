@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import bucketjob, network, reconcile
 from asyncgrpo.controller.observe import Child, summarize
@@ -50,8 +51,8 @@ def test_setup_job_runs_as_the_runs_account_with_its_secret_by_reference():
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         assert "value" not in env[key]
         assert env[key]["valueFrom"]["secretKeyRef"]["name"] == "s3-credentials"
-    assert env[bucketjob.UID_ENV]["value"] == "uid-1"
-    assert env[bucketjob.ALLOWED_ENV]["value"] == "http://s3:9000"
+    assert env[wire.RUN_UID_ENV]["value"] == "uid-1"
+    assert env[wire.ALLOWED_ENDPOINTS_ENV]["value"] == "http://s3:9000"
     assert env["ASYNCGRPO_ADAPTER_NAMESPACE"]["value"] == "team-a"
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert labels["asyncgrpo.dev/run"] == "math"

@@ -54,8 +54,6 @@ MANIFEST = "manifest.json"
 #: the run folder's sub-folder with the run's result (see AdapterStore.final_prefix)
 FINAL = "final"
 MANIFEST_FORMAT = "asyncgrpo.adapter/v1"
-#: The served name of version N is f"{DEFAULT_NAME_PREFIX}{N}".
-DEFAULT_NAME_PREFIX = "policy-v"
 #: Files up to this size go in one PUT/GET; larger ones through boto3's multipart transfer
 #: manager (whose thread pool costs more than a small file's whole transfer).
 SINGLE_REQUEST_BYTES = 8 * 1024 * 1024
@@ -82,12 +80,12 @@ class AdapterVersionExists(AdapterStoreError):
     """A complete version is never overwritten (replicas may already serve it)."""
 
 
-def adapter_name(version: int, name_prefix: str = DEFAULT_NAME_PREFIX) -> str:
+def adapter_name(version: int, name_prefix: str = wire.DEFAULT_NAME_PREFIX) -> str:
     """The model name a client sends to vLLM for a version, e.g. ``policy-v3``."""
     return f"{name_prefix}{int(version)}"
 
 
-def parse_adapter_name(name: str, name_prefix: str = DEFAULT_NAME_PREFIX) -> int | None:
+def parse_adapter_name(name: str, name_prefix: str = wire.DEFAULT_NAME_PREFIX) -> int | None:
     """The version in ``policy-v{N}``, or None for any other name (left to other resolvers).
 
     Only the canonical spelling: ``policy-v01`` is not ``policy-v1``. vLLM keys its LoRA slots by
@@ -254,7 +252,7 @@ class AdapterStore:
         max_backoff_s: float = 10.0,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
-        name_prefix: str = DEFAULT_NAME_PREFIX,
+        name_prefix: str = wire.DEFAULT_NAME_PREFIX,
     ):
         if not bucket:
             raise ValueError("bucket must be set")
@@ -295,7 +293,7 @@ class AdapterStore:
             "namespace": env.get(wire.ADAPTER_NAMESPACE_ENV) or None,
             "endpoint_url": env.get(wire.ADAPTER_ENDPOINT_ENV) or None,
             "region": env.get(wire.ADAPTER_REGION_ENV) or None,
-            "name_prefix": env.get(wire.ADAPTER_NAME_PREFIX_ENV) or DEFAULT_NAME_PREFIX,
+            "name_prefix": env.get(wire.ADAPTER_NAME_PREFIX_ENV) or wire.DEFAULT_NAME_PREFIX,
         }
         if env.get(wire.ADAPTER_ATTEMPTS_ENV):
             opts["attempts"] = int(env[wire.ADAPTER_ATTEMPTS_ENV])

@@ -17,7 +17,8 @@ Configuration (environment of the vLLM server; the operator sets it):
                                  ``AWS_ENDPOINT_URL``; else AWS)
 ``ASYNCGRPO_ADAPTER_REGION``     region (else boto3's default chain)
 ``ASYNCGRPO_ADAPTER_CACHE_DIR``  local directory for verified adapters (default
-                                 ``~/.cache/asyncgrpo/adapters``; give it an emptyDir)
+                                 ``adapters`` under ``$ASYNCGRPO_CACHE``, else under
+                                 ``~/.cache/asyncgrpo``; give it an emptyDir)
 ``ASYNCGRPO_ADAPTER_NAME_PREFIX`` served-name prefix (default ``policy-v``)
 ``ASYNCGRPO_ADAPTER_ANY_RUN``    ``1``: also accept ``<run>/policy-v{N}`` for any run under
                                  the prefix (shared test servers; off in production)
@@ -56,7 +57,6 @@ from pathlib import Path
 
 from asyncgrpo import wire
 from asyncgrpo.adapters.store import (
-    DEFAULT_NAME_PREFIX,
     MANIFEST,
     AdapterCorrupt,
     AdapterIncomplete,
@@ -91,9 +91,9 @@ class S3AdapterResolver:
         self.bucket = env.get(wire.ADAPTER_BUCKET_ENV, "")
         self.default_run = env.get(wire.ADAPTER_RUN_ENV, "") or None
         self.any_run = _truthy(env.get(wire.ADAPTER_ANY_RUN_ENV))
-        self.name_prefix = env.get(wire.ADAPTER_NAME_PREFIX_ENV) or DEFAULT_NAME_PREFIX
+        self.name_prefix = env.get(wire.ADAPTER_NAME_PREFIX_ENV) or wire.DEFAULT_NAME_PREFIX
         self.cache_dir = Path(env.get(wire.ADAPTER_CACHE_DIR_ENV)
-                              or Path.home() / ".cache" / "asyncgrpo" / "adapters")
+                              or wire.user_cache_dir(env) / "adapters")
         if not self.bucket:
             raise ValueError(f"{wire.ADAPTER_BUCKET_ENV} is not set")
         if not self.default_run and not self.any_run:

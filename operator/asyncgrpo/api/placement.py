@@ -26,7 +26,7 @@ OWNED_VOLUMES = frozenset({"config", "tmp", "dshm", "work", "cache", "data", "we
                            "workspace", "model-cache"})
 #: Paths the operator mounts (a user mount at or under one would shadow it), and where the
 #: kubelet writes termination messages.
-OWNED_MOUNT_PATHS = ("/tmp", "/dev/shm", "/dev/termination-log", wire.CACHE_DIR,
+OWNED_MOUNT_PATHS = ("/tmp", "/dev/shm", wire.TERMINATION_LOG, wire.CACHE_DIR,
                      wire.CONFIG_MOUNT, wire.DATA_DIR, wire.TRAINER_WORK_DIR,
                      wire.SANDBOX_WORKSPACE)
 #: Variables the operator sets to wire components together or reach the bucket.

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from asyncgrpo import API_GROUP, API_VERSION, KIND
+from asyncgrpo import API_GROUP, API_VERSION, KIND, default_image
 from asyncgrpo.api import k8s
 from asyncgrpo.api.layout import PREFIX_PATTERN
 
@@ -283,7 +283,7 @@ class ModelSpec(Model):
 class TrainerSpec(Model):
     """The trainer: a StatefulSet of torchrun nodes running TRL's AsyncGRPOTrainer."""
 
-    image: str = Field(default="ghcr.io/asyncgrpo/trainer:0.1.0", min_length=1,
+    image: str = Field(default=default_image("trainer"), min_length=1,
                        description="Trainer image.")
     replicas: int = Field(default=1, ge=1, le=1024, description="Nodes (pods) of the trainer.")
     gpus_per_replica: int = Field(
@@ -389,7 +389,7 @@ class SamplingSpec(Model):
 class RolloutSpec(Model):
     """The vLLM servers that sample rollouts from the current policy."""
 
-    image: str = Field(default="ghcr.io/asyncgrpo/vllm:0.1.0", min_length=1,
+    image: str = Field(default=default_image("vllm"), min_length=1,
                        description="vLLM image carrying the asyncgrpo LoRA resolver plugin.")
     replicas: int = Field(default=1, ge=1, le=1024, description="vLLM server replicas.")
     tensor_parallel_size: int = Field(
@@ -445,7 +445,7 @@ class SandboxNetworkSpec(Model):
 class SandboxSpec(Model):
     """Pool of sandbox pods where multi-turn rollouts run their tool calls."""
 
-    image: str = Field(default="ghcr.io/asyncgrpo/sandbox:0.1.0", min_length=1,
+    image: str = Field(default=default_image("sandbox"), min_length=1,
                        description="Sandbox image (runs the asyncgrpo sandbox server).")
     min_warm: int = Field(default=2, ge=0, description="Idle sandboxes kept ready at least.")
     max: int = Field(default=16, ge=0, description="Most sandboxes the scaler asks for.")

@@ -31,12 +31,11 @@ def register(subparsers) -> None:
 
 def _store(env: Mapping[str, str]):
     from asyncgrpo.api.v1alpha1 import AdapterStoreSpec
-    from asyncgrpo.controller.bucketjob import CREATE_ENV
 
     spec = {"bucket": env[wire.ADAPTER_BUCKET_ENV],
             "prefix": env.get(wire.ADAPTER_PREFIX_ENV) or "asyncgrpo",
             "region": env.get(wire.ADAPTER_REGION_ENV) or "us-east-1",
-            "createBucket": env.get(CREATE_ENV, "true").lower() == "true"}
+            "createBucket": env.get(wire.CREATE_BUCKET_ENV, "true").lower() == "true"}
     if env.get(wire.ADAPTER_ENDPOINT_ENV):
         spec["endpoint"] = env[wire.ADAPTER_ENDPOINT_ENV]
     return AdapterStoreSpec.model_validate(spec)
@@ -47,7 +46,6 @@ def execute(action: str, env: Mapping[str, str]) -> tuple[int, str]:
     from pydantic import ValidationError
 
     from asyncgrpo.controller import bucket
-    from asyncgrpo.controller.bucketjob import ALLOWED_ENV, UID_ENV
 
     try:
         try:
@@ -56,10 +54,10 @@ def execute(action: str, env: Mapping[str, str]) -> tuple[int, str]:
             raise bucket.BucketError("InvalidSpec", f"the Job's bucket settings are "
                                      f"incomplete or invalid ({type(e).__name__})") from None
         owner = bucket.Owner(env.get(wire.ADAPTER_NAMESPACE_ENV) or "default",
-                             env.get(wire.ADAPTER_RUN_ENV, ""), env.get(UID_ENV, ""))
+                             env.get(wire.ADAPTER_RUN_ENV, ""), env.get(wire.RUN_UID_ENV, ""))
         if not owner.uid:
-            raise bucket.BucketError("InvalidSpec", f"{UID_ENV} is not set")
-        allow = [a.strip() for a in env.get(ALLOWED_ENV, "").split(",") if a.strip()]
+            raise bucket.BucketError("InvalidSpec", f"{wire.RUN_UID_ENV} is not set")
+        allow = [a.strip() for a in env.get(wire.ALLOWED_ENDPOINTS_ENV, "").split(",") if a.strip()]
         bucket.check_endpoint(store, allow)   # resolving names, from this pod
         creds = bucket.credentials_from_env(env)
         if action == "setup":
@@ -76,10 +74,9 @@ def execute(action: str, env: Mapping[str, str]) -> tuple[int, str]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from asyncgrpo.controller.bucketjob import TERMINATION_LOG
 
     code, message = execute(args.action, os.environ)
-    path = os.environ.get(wire.TERMINATION_LOG_ENV) or TERMINATION_LOG
+    path = os.environ.get(wire.TERMINATION_LOG_ENV) or wire.TERMINATION_LOG
     try:
         with open(path, "w") as f:
             f.write(message)

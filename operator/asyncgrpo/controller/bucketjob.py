@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import rbac
 from asyncgrpo.controller.common import (
@@ -41,11 +42,6 @@ from asyncgrpo.controller.observe import Child
 
 SETUP, CLEANUP = "bucket-setup", "bucket-cleanup"
 ACTIONS = {SETUP: "setup", CLEANUP: "cleanup"}
-TERMINATION_LOG = "/dev/termination-log"
-#: Variables the bucket command reads besides `common.bucket_env`.
-UID_ENV = "ASYNCGRPO_RUN_UID"
-CREATE_ENV = "ASYNCGRPO_ADAPTER_CREATE_BUCKET"
-ALLOWED_ENV = "ASYNCGRPO_ALLOWED_ENDPOINTS"
 #: Kubelet reasons of a container that cannot start because of its Secret reference, mapped
 #: to the condition reasons the operator used when it read the Secret itself.
 _CONFIG_ERRORS = ((re.compile(r"secret .* not found", re.IGNORECASE), "SecretNotFound"),
@@ -76,9 +72,9 @@ def build_job(run: AsyncGRPORun, component: str, uid: str, js: JobSettings) -> d
     operator reads each failure, reports it and decides when to run another."""
     store = run.spec.adapter_store
     env = bucket_env(run) + [
-        {"name": UID_ENV, "value": uid},
-        {"name": CREATE_ENV, "value": "true" if store.create_bucket else "false"},
-        {"name": ALLOWED_ENV, "value": ",".join(js.allowed_endpoints)},
+        {"name": wire.RUN_UID_ENV, "value": uid},
+        {"name": wire.CREATE_BUCKET_ENV, "value": "true" if store.create_bucket else "false"},
+        {"name": wire.ALLOWED_ENDPOINTS_ENV, "value": ",".join(js.allowed_endpoints)},
         {"name": "HOME", "value": "/tmp"},
     ]
     container = {
@@ -90,7 +86,7 @@ def build_job(run: AsyncGRPORun, component: str, uid: str, js: JobSettings) -> d
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
                       "limits": {"cpu": "500m", "memory": "256Mi"}},
         "securityContext": container_security(),
-        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePath": wire.TERMINATION_LOG,
         "terminationMessagePolicy": "File",
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }

@@ -13,6 +13,7 @@ from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import sandboxes
 from asyncgrpo.controller.common import (
+    child_name,
     container_security,
     metadata,
     name,
@@ -28,6 +29,9 @@ from asyncgrpo.controller.metrics import scrape_annotations
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, SANDBOX_TOKEN_KEY, secret_name
 
 COMPONENT = "gateway"
+#: Where a run's gateway answers the operator (`Settings.gateway_url`); {name} and
+#: {namespace} are filled in.
+URL = f"http://{child_name('{name}', COMPONENT)}.{{namespace}}.svc:{wire.GATEWAY_PORT}"
 
 
 def label_selector(run: AsyncGRPORun) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.api.validation import (
     FieldError,
@@ -525,10 +526,11 @@ MAX_DEMAND_BYTES = 1 << 20
 
 def _fetch_demand(rt: Runtime, obs: Observation, ns: str, name: str,
                   budget: Budget) -> pool.Demand | None:
-    url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + "/v1/demand"
+    url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + \
+        wire.GATEWAY_DEMAND_PATH
     # an open route of the gateway: no token sent
     return _read(rt, obs, (ns, name, "demand"), ns, url, untrusted.demand, MAX_DEMAND_BYTES,
-                 budget, "the sandbox gateway's /v1/demand")
+                 budget, f"the sandbox gateway's {wire.GATEWAY_DEMAND_PATH}")
 
 
 def _drain(rt: Runtime, state: RunState, obs: Observation, ns: str, name: str, pod: str,
@@ -536,7 +538,7 @@ def _drain(rt: Runtime, state: RunState, obs: Observation, ns: str, name: str, p
     """Ask the gateway to stop leasing `pod`; True once it says the pod may be deleted (an
     answer may come on a later reconcile: the ask does not wait past the budget)."""
     url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + \
-        f"/v1/members/{pod}/drain"
+        wire.GATEWAY_DRAIN_PATH.format(name=pod)
     return bool(_read(rt, obs, (ns, name, "drain", pod), ns, url, untrusted.drain, 1 << 16,
                       budget, "the sandbox gateway's drain", method="POST",
                       headers={"Authorization": f"Bearer {state.gateway_token or ''}"}))

@@ -11,7 +11,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncgrpo import __version__
+from asyncgrpo import default_image
+from asyncgrpo.controller import gateway, trainer
 from asyncgrpo.controller.metrics import OperatorMetrics
 from asyncgrpo.controller.pool import Expectations
 from asyncgrpo.controller.progress import Progress
@@ -56,9 +57,9 @@ class Settings:
     webhook: WebhookSettings | None = None
 
     #: Where a run's gateway answers; {name} and {namespace} are filled in.
-    gateway_url: str = "http://{name}-gateway.{namespace}.svc:8080"
+    gateway_url: str = gateway.URL
     #: Rank 0's metrics endpoint; {name}, {namespace} and {port} are filled in.
-    trainer_metrics_url: str = "http://{name}-trainer-0.{name}-trainer.{namespace}.svc:{port}/metrics"
+    trainer_metrics_url: str = trainer.METRICS_URL
     #: NetworkPolicy peers allowed to scrape metrics; None: Prometheus and this operator.
     scrapers: list[dict[str, Any]] | None = None
     #: Forget a creation or deletion the watch never showed after this long.
@@ -90,7 +91,7 @@ class Settings:
     allowed_endpoints: list[str] = field(default_factory=list)
     #: Image of the bucket setup and cleanup Jobs (`asyncgrpo bucket ...`): the operator's own
     #: (Helm: image.*, or adapterStore.jobImage), the smallest image with boto3.
-    bucket_job_image: str = f"ghcr.io/asyncgrpo/operator:{__version__}"
+    bucket_job_image: str = default_image("operator")
     bucket_job_pull_policy: str = "IfNotPresent"
     #: A bucket Job's pod is stopped after this long (activeDeadlineSeconds).
     bucket_job_deadline_seconds: int = 300

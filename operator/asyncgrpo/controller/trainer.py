@@ -17,6 +17,7 @@ from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller import configmap
 from asyncgrpo.controller.common import (
     bucket_env,
+    child_name,
     container_security,
     gpu_resource,
     merge_env,
@@ -49,6 +50,18 @@ COMPONENT = "trainer"
 CONFIG_HASH_ANNOTATION = "asyncgrpo.dev/config-hash"
 
 
+def rank0_host(run_name: str) -> str:
+    """Rank 0's stable name: pod 0 of the StatefulSet under its headless Service (both named
+    `<run>-trainer`), the torchrun rendezvous and the metrics endpoint the operator reads."""
+    sts = child_name(run_name, COMPONENT)
+    return f"{sts}-0.{sts}"
+
+
+#: Rank 0's metrics endpoint (`Settings.trainer_metrics_url`); {name}, {namespace} and {port}
+#: are filled in.
+METRICS_URL = f"http://{rank0_host('{name}')}.{{namespace}}.svc:{{port}}/metrics"
+
+
 def torchrun_command(run: AsyncGRPORun) -> list[str]:
     # the node rank is the StatefulSet ordinal, the suffix of the host name
     script = (
@@ -65,8 +78,7 @@ def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
     env = [
         {"name": wire.NNODES_ENV, "value": str(t.replicas)},
         {"name": wire.NPROC_ENV, "value": str(max(t.gpus_per_replica, 1))},
-        {"name": wire.MASTER_ADDR_ENV,
-         "value": f"{name(run, COMPONENT)}-0.{name(run, COMPONENT)}"},
+        {"name": wire.MASTER_ADDR_ENV, "value": rank0_host(run.metadata.name)},
         {"name": wire.MASTER_PORT_ENV, "value": str(wire.TRAINER_RENDEZVOUS_PORT)},
         {"name": wire.VLLM_URL_ENV, "value": f"http://{name(run, 'vllm')}:{VLLM_PORT}"},
         {"name": wire.METRICS_PORT_ENV, "value": str(t.metrics_port)},

@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from asyncgrpo import wire
+
 #: The checkout (or installed tree) whose `asyncgrpo` the vLLM process must import.
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def vllm_venv() -> Path:
     """Where hack/setup-vllm-venv.sh puts it (same variables, same default)."""
-    cache = Path(os.environ.get("ASYNCGRPO_CACHE", Path.home() / ".cache" / "asyncgrpo"))
-    return Path(os.environ.get("ASYNCGRPO_VLLM_VENV", cache / "venv-vllm"))
+    return Path(os.environ.get("ASYNCGRPO_VLLM_VENV", wire.user_cache_dir() / "venv-vllm"))
 
 
 def vllm_python() -> Path | None:

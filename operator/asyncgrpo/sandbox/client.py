@@ -38,7 +38,7 @@ from asyncgrpo.sandbox.messages import (
     ScoreResult,
     WriteResult,
 )
-from asyncgrpo.wire import GATEWAY_TOKEN_ENV, GATEWAY_URL_ENV
+from asyncgrpo.wire import GATEWAY_DEMAND_PATH, GATEWAY_TOKEN_ENV, GATEWAY_URL_ENV
 
 #: a group key shared by the processes of one trainer (else each client makes its own)
 GROUP_KEY_ENV = "ASYNCGRPO_GROUP_KEY"
@@ -285,7 +285,7 @@ class GatewayClient:
         return ScoreResult.model_validate(d)
 
     def demand(self) -> dict:
-        return _raise_for(self.http.get(f"{self.url}/v1/demand"))
+        return _raise_for(self.http.get(f"{self.url}{GATEWAY_DEMAND_PATH}"))
 
     def close(self) -> None:
         self.http.close()

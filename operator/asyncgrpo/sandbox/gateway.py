@@ -47,6 +47,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from asyncgrpo import wire
 from asyncgrpo.sandbox.challenge import reset_call
 from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
 from asyncgrpo.sandbox.messages import (
@@ -207,9 +208,9 @@ class Gateway:
             ("POST", "/v1/leases/{lease_id}/exec/stream", self.exec_stream),
             ("POST", "/v1/leases/{lease_id}/files/read", self.read),
             ("POST", "/v1/leases/{lease_id}/files/write", self.write),
-            ("GET", "/v1/demand", self.demand),
+            ("GET", wire.GATEWAY_DEMAND_PATH, self.demand),
             ("GET", "/v1/pool", self.pool_view),
-            ("POST", "/v1/members/{name}/drain", self.drain),
+            ("POST", wire.GATEWAY_DRAIN_PATH, self.drain),
             ("GET", "/healthz", self.healthz),
             ("GET", "/metrics", self.prom),
         ):
@@ -221,7 +222,7 @@ class Gateway:
             app,
             authorize=self.authorize,
             max_body_bytes=self.settings.max_body_bytes,
-            open_paths=frozenset({"/healthz", "/metrics", "/v1/demand"}),
+            open_paths=frozenset({"/healthz", "/metrics", wire.GATEWAY_DEMAND_PATH}),
             streamed=lambda path: _STREAM_PATH.match(path) is not None,
             on_reject=lambda reason: self.metrics.rejected.labels(reason=reason).inc(),
         )

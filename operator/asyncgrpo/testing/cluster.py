@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from asyncgrpo import wire
 from asyncgrpo.testing.net import free_port
 
 ADMIN_TOKEN = "asyncgrpo-test-admin-token"
@@ -35,7 +36,7 @@ SERVICE_CIDR = "10.96.0.0/16"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ASYNCGRPO_CACHE", Path.home() / ".cache" / "asyncgrpo"))
+    return wire.user_cache_dir()
 
 
 def find_binaries() -> dict[str, Path]:

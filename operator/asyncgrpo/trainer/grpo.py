@@ -43,6 +43,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
+from asyncgrpo import wire
 from asyncgrpo.adapters.probe import (
     ProbeError,
     compare,
@@ -114,8 +115,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
       samples_per_plan: samples the tree planner packs at once (one step's worth).
     """
 
-    def __init__(self, *args, samples_per_plan: int | None = None, store=None, served_prefix: str = "policy-v", metrics=None,
-                 probe_ids=None, probe_tolerance: float = 0.05, checkpoints=None,
+    def __init__(self, *args, samples_per_plan: int | None = None, store=None, served_prefix: str = wire.DEFAULT_NAME_PREFIX, metrics=None,
+                 probe_ids=None, probe_tolerance: float = wire.DEFAULT_PROBE_TOLERANCE, checkpoints=None,
                  retention: int = 8, max_staleness: int = 0, retry_attempts: int = 8,
                  retry_backoff_s: float = 1.0, fault_corrupt_versions=(), status_file=None,
                  weight_store=None, anchor_interval: int = 10, **kwargs):

@@ -315,7 +315,7 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
 
 
 def write_termination_message(step: int, policy_version: int,
-                              path: str = "/dev/termination-log",
+                              path: str = wire.TERMINATION_LOG,
                               outputs: list[dict] | None = None) -> bool:
     """Leave the final numbers where Kubernetes keeps them after the container exits (its
     termination message): the operator's last scrape may predate the last step. `outputs`:

@@ -30,7 +30,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
-#: The only TRL this module knows how to patch (pyproject pins it too).
+#: The only TRL this package knows how to patch and mirror (pyproject pins it too; the tree
+#: engine checks it as well, and api/trl_fields.py records the TRL it was generated from).
 TRL_VERSION = "1.16.0"
 
 _applied = False

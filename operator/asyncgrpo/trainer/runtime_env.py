@@ -53,7 +53,6 @@ from asyncgrpo import wire
 from asyncgrpo.trainer.distributed import Topology
 
 DEFAULT_WORK_DIR = "/tmp/asyncgrpo-trainer"
-DEFAULT_NAME_PREFIX = "policy-v"
 
 
 class RuntimeEnvError(ValueError):
@@ -94,7 +93,7 @@ class RuntimeEnv:
     gateway_url: str | None = None
     s3_endpoint: str | None = None
     run_name: str | None = None
-    adapter_name_prefix: str = DEFAULT_NAME_PREFIX
+    adapter_name_prefix: str = wire.DEFAULT_NAME_PREFIX
     work_dir: Path = Path(DEFAULT_WORK_DIR)
     metrics_port: int | None = None
     probe_tolerance: float = wire.DEFAULT_PROBE_TOLERANCE
@@ -107,7 +106,7 @@ class RuntimeEnv:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeEnv:
         env = dict(os.environ if env is None else env)
-        prefix = env.get(wire.ADAPTER_NAME_PREFIX_ENV) or DEFAULT_NAME_PREFIX
+        prefix = env.get(wire.ADAPTER_NAME_PREFIX_ENV) or wire.DEFAULT_NAME_PREFIX
         if not prefix.endswith("-v"):
             raise RuntimeEnvError(
                 f"{wire.ADAPTER_NAME_PREFIX_ENV}={prefix!r} must end in '-v' (version N is "

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from asyncgrpo.trainer.patches import TRL_VERSION
+
 from . import objective
 from .attention import install_tree_attention
 from .budget import MicroBatch, plan, plan_fixed_count
@@ -45,8 +47,6 @@ from .layout import TreeLayout
 from .loss import add_tree_lm_head
 from .metrics import PackingMetrics
 from .rollout import Rollout, RolloutError
-
-TRL_VERSION = "1.16.0"
 
 #: Batch fields `TreeCollator` emits; a trainer listing signature columns must keep them.
 BATCH_FIELDS = (

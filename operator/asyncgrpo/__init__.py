@@ -13,6 +13,8 @@ IMAGE_REPOSITORY = "ghcr.io/asyncgrpo"
 API_GROUP = "asyncgrpo.dev"
 API_VERSION = "v1alpha1"
 KIND = "AsyncGRPORun"
+#: The resource name of KIND (`kubectl get asyncgrporuns`, the CRD's spec.names.plural).
+PLURAL = "asyncgrporuns"
 
 
 def default_image(name: str) -> str:

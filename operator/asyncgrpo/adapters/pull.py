@@ -40,7 +40,7 @@ def run_from_cluster(name: str, namespace: str | None):
     """The AsyncGRPORun `name` as the model reads it, from the current kubeconfig."""
     from kubernetes import client, config
 
-    from asyncgrpo import API_GROUP, API_VERSION
+    from asyncgrpo import API_GROUP, API_VERSION, PLURAL
     from asyncgrpo.api import parse_run
 
     config.load_config()
@@ -51,7 +51,7 @@ def run_from_cluster(name: str, namespace: str | None):
             namespace = None
     namespace = namespace or "default"
     doc = client.CustomObjectsApi().get_namespaced_custom_object(
-        API_GROUP, API_VERSION, namespace, "asyncgrporuns", name)
+        API_GROUP, API_VERSION, namespace, PLURAL, name)
     doc.pop("status", None)
     doc.setdefault("metadata", {})["namespace"] = namespace
     return parse_run(doc)

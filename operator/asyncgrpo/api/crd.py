@@ -12,10 +12,9 @@ from typing import Any
 
 import yaml
 
-from asyncgrpo import API_GROUP, API_VERSION, KIND
+from asyncgrpo import API_GROUP, API_VERSION, KIND, PLURAL
 from asyncgrpo.api.v1alpha1 import MAX_RUN_NAME, RUN_NAME, AsyncGRPORunSpec, AsyncGRPORunStatus
 
-PLURAL = "asyncgrporuns"
 SINGULAR = "asyncgrporun"
 SHORT_NAMES = ["agr", "grporun"]
 CRD_NAME = f"{PLURAL}.{API_GROUP}"

@@ -27,33 +27,21 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from asyncgrpo import API_GROUP, API_VERSION
-from asyncgrpo.controller import bucket, bucketjob, observe, rbac, reconcile, untrusted
+from asyncgrpo import API_GROUP, API_VERSION, PLURAL
+from asyncgrpo.controller import bucket, bucketjob, kube, observe, rbac, reconcile, untrusted
 from asyncgrpo.controller.common import HASH_ANNOTATION, MANAGED_BY, RUN_LABEL, child_name
 from asyncgrpo.controller.runtime import Runtime, Settings
 
 log = logging.getLogger("asyncgrpo.operator")
-RUNS = {"group": API_GROUP, "version": API_VERSION, "plural": "asyncgrporuns"}
+RUNS = {"group": API_GROUP, "version": API_VERSION, "plural": PLURAL}
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, RUN_LABEL: kopf.PRESENT}
 
-#: (group, version, plural) of every child kind the operator watches; index id per kind.
-CHILD_RESOURCES = {
-    "idx_pods": ("", "v1", "pods"),
-    "idx_configmaps": ("", "v1", "configmaps"),
-    "idx_services": ("", "v1", "services"),
-    "idx_serviceaccounts": ("", "v1", "serviceaccounts"),
-    "idx_deployments": ("apps", "v1", "deployments"),
-    "idx_statefulsets": ("apps", "v1", "statefulsets"),
-    "idx_networkpolicies": ("networking.k8s.io", "v1", "networkpolicies"),
-    "idx_roles": ("rbac.authorization.k8s.io", "v1", "roles"),
-    "idx_rolebindings": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-    "idx_jobs": ("batch", "v1", "jobs"),
-}
-
-KINDS = {"pods": "Pod", "configmaps": "ConfigMap", "services": "Service",
-         "serviceaccounts": "ServiceAccount", "deployments": "Deployment",
-         "statefulsets": "StatefulSet", "networkpolicies": "NetworkPolicy", "roles": "Role",
-         "rolebindings": "RoleBinding", "jobs": "Job"}
+#: (group, version, plural) of every child kind the operator watches (`kube.RESOURCES`);
+#: index id per kind.
+CHILD_RESOURCES = {f"idx_{r.plural}": (r.group, r.version, r.plural)
+                   for r in (kube.RESOURCES[k] for k in kube.WATCHED_KINDS)}
+#: plural -> kind of the watched children
+KINDS = {kube.RESOURCES[k].plural: k for k in kube.WATCHED_KINDS}
 
 
 def runtime(memo: Any) -> Runtime:

@@ -10,34 +10,61 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
-from asyncgrpo import API_GROUP, API_VERSION
+from asyncgrpo import API_GROUP, API_VERSION, KIND, PLURAL
 
-# kind -> (API path prefix, plural)
-RESOURCES: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("/api/v1", "configmaps"),
-    "Secret": ("/api/v1", "secrets"),
-    "Service": ("/api/v1", "services"),
-    "ServiceAccount": ("/api/v1", "serviceaccounts"),
-    "Pod": ("/api/v1", "pods"),
-    "Event": ("/api/v1", "events"),
-    "Deployment": ("/apis/apps/v1", "deployments"),
-    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
-    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
-    "Job": ("/apis/batch/v1", "jobs"),
-    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
-    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
-    "AsyncGRPORun": (f"/apis/{API_GROUP}/{API_VERSION}", "asyncgrporuns"),
+
+@dataclass(frozen=True)
+class Resource:
+    """One kind the operator reads or writes."""
+
+    group: str      # "" for the core group
+    version: str
+    plural: str
+    #: watched through a kopf index of the run's children (`handlers.CHILD_RESOURCES`)
+    watched: bool = False
+    #: owned as a whole set: one the spec no longer implies is deleted (`reconcile`); the
+    #: others are deleted by their own rules (sandbox pods by the pool, Jobs once read, the
+    #: Secret with the run)
+    pruned: bool = False
+
+    @property
+    def prefix(self) -> str:
+        return f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+
+
+#: kind -> resource: the one table of the kinds the operator touches (the watched ones first,
+#: in the order their indexes are read).
+RESOURCES: dict[str, Resource] = {
+    "Pod": Resource("", "v1", "pods", watched=True),
+    "ConfigMap": Resource("", "v1", "configmaps", watched=True, pruned=True),
+    "Service": Resource("", "v1", "services", watched=True, pruned=True),
+    "ServiceAccount": Resource("", "v1", "serviceaccounts", watched=True, pruned=True),
+    "Deployment": Resource("apps", "v1", "deployments", watched=True, pruned=True),
+    "StatefulSet": Resource("apps", "v1", "statefulsets", watched=True, pruned=True),
+    "NetworkPolicy": Resource("networking.k8s.io", "v1", "networkpolicies", watched=True,
+                              pruned=True),
+    "Role": Resource("rbac.authorization.k8s.io", "v1", "roles", watched=True, pruned=True),
+    "RoleBinding": Resource("rbac.authorization.k8s.io", "v1", "rolebindings", watched=True,
+                            pruned=True),
+    "Job": Resource("batch", "v1", "jobs", watched=True),
+    "Secret": Resource("", "v1", "secrets"),
+    "Event": Resource("", "v1", "events"),
+    KIND: Resource(API_GROUP, API_VERSION, PLURAL),
 }
+#: kinds of the run's children the operator watches, and those it prunes
+WATCHED_KINDS = tuple(k for k, r in RESOURCES.items() if r.watched)
+PRUNED_KINDS = frozenset(k for k, r in RESOURCES.items() if r.pruned)
 
 
 def path(kind: str, namespace: str, name: str | None = None) -> str:
-    prefix, plural = RESOURCES[kind]
-    p = f"{prefix}/namespaces/{namespace}/{plural}"
+    r = RESOURCES[kind]
+    p = f"{r.prefix}/namespaces/{namespace}/{r.plural}"
     return f"{p}/{name}" if name else p
 
 

@@ -30,26 +30,27 @@ from asyncgrpo.api.validation import (
 from asyncgrpo.controller import (
     bucket,
     bucketjob,
+    gateway,
     ownership,
     pool,
     progress,
     sandboxes,
     secret,
     served,
+    trainer,
     untrusted,
+    vllm,
 )
 from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION, operator_defaults
+from asyncgrpo.controller.kube import PRUNED_KINDS
 from asyncgrpo.controller.observe import IDENTITY_ANNOTATION, STUCK_REASONS, Child, workload
 from asyncgrpo.controller.runtime import RunState, Runtime
 from asyncgrpo.controller.status import TERMINAL, Observation, Transition, compute
 
 log = logging.getLogger("asyncgrpo.operator")
 
-#: Kinds the reconcile owns as a whole set: an indexed one the spec no longer implies is deleted.
-PRUNED_KINDS = frozenset({"ConfigMap", "Service", "ServiceAccount", "Deployment",
-                          "StatefulSet", "NetworkPolicy", "Role", "RoleBinding"})
 
 
 #: Seconds before retrying a sandbox creation the API server refused.
@@ -127,9 +128,9 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     budget = Budget(rt.settings.endpoint_wait_seconds)
     conflicts = _known_conflicts(state, foreign)
     bucket_action = _check_bucket(rt, state, run, obs, uid, children)
-    trainer_up = (w := workload(children, "trainer")) is not None and w.replicas > 0
-    deps_ready = _ready(children, "vllm") and (
-        run.spec.sandboxes is None or _ready(children, "gateway"))
+    trainer_up = (w := workload(children, trainer.COMPONENT)) is not None and w.replicas > 0
+    deps_ready = _ready(children, vllm.COMPONENT) and (
+        run.spec.sandboxes is None or _ready(children, gateway.COMPONENT))
     start = trainer_up or (deps_ready and obs.bucket_error is None and obs.bucket_checked)
     obs.trainer_gated = not start and not stopped
 
@@ -180,7 +181,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
         state.spawned_total = max(state.spawned_total, seen) + spawned
         obs.sandboxes["spawnedTotal"] = state.spawned_total
 
-    if _ready(children, "trainer") and not stopped:
+    if _ready(children, trainer.COMPONENT) and not stopped:
         url = rt.settings.trainer_metrics_url.format(name=name, namespace=ns,
                                                      port=run.spec.trainer.metrics_port)
         scraped = _read(rt, obs, (ns, name, "metrics"), ns, url, untrusted.metrics,
@@ -575,7 +576,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
             for c in children if c.kind == "Pod" and c.component == sandboxes.COMPONENT]
     adds, dels = rt.expectations.observe(key, [p.name for p in pods])
     demand = None
-    if not stopped and _ready(children, "gateway"):
+    if not stopped and _ready(children, gateway.COMPONENT):
         demand = _fetch_demand(rt, obs, ns, name, budget)
     excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
     plan = pool.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped,

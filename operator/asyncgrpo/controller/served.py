@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from asyncgrpo.controller import vllm
 from asyncgrpo.controller.observe import Child
 from asyncgrpo.wire import PULLER_PORT
 
@@ -42,7 +43,7 @@ def summarize(versions: list[int | None]) -> ServedWeights | None:
 
 
 def running_ips(children: list[Child]) -> list[str]:
-    return [c.ip for c in children if c.kind == "Pod" and c.component == "vllm"
+    return [c.ip for c in children if c.kind == "Pod" and c.component == vllm.COMPONENT
             and c.ip and not c.deleting and c.phase == "Running"]
 
 

@@ -16,9 +16,13 @@ from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORunSpec
 from asyncgrpo.api.validation import FieldError
 from asyncgrpo.controller.bucket import BucketError
+from asyncgrpo.controller.gateway import COMPONENT as GATEWAY
 from asyncgrpo.controller.observe import Child, workload
 from asyncgrpo.controller.progress import Progress
+from asyncgrpo.controller.sandboxes import COMPONENT as SANDBOX
 from asyncgrpo.controller.served import ServedWeights
+from asyncgrpo.controller.trainer import COMPONENT as TRAINER
+from asyncgrpo.controller.vllm import COMPONENT as VLLM
 
 PENDING, STARTING, RUNNING, SUSPENDED, SUCCEEDED, FAILED = (
     "Pending", "Starting", "Running", "Suspended", "Succeeded", "Failed")
@@ -154,14 +158,14 @@ def _conditions_and_phase(spec: AsyncGRPORunSpec, obs: Observation, old: dict[st
                ("Finished" if terminal else None))
 
     bucket, bucket_pending = _bucket_condition(spec, obs, old)
-    conds = [bucket, _workload_condition("RolloutReady", obs.children, "vllm", "vLLM", stopped)]
+    conds = [bucket, _workload_condition("RolloutReady", obs.children, VLLM, "vLLM", stopped)]
     if spec.sandboxes is not None:
         conds.append(_sandboxes_condition(spec, obs, stopped))
     if obs.trainer_gated and not stopped:
         trainer = _cond("TrainerReady", False, "WaitingForRollout",
                         "the trainer starts once vLLM (and the sandbox gateway) are ready")
     else:
-        trainer = _workload_condition("TrainerReady", obs.children, "trainer", "trainer",
+        trainer = _workload_condition("TrainerReady", obs.children, TRAINER, "trainer",
                                       stopped)
     conds.append(trainer)
     conds.append(_adapter_condition(obs.progress, probe_tolerance(spec)))
@@ -277,19 +281,19 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
             return _cond("SandboxesReady", False, *obs.pool_error)
         return _cond("SandboxesReady", False, "SandboxCreateFailed",
                      f"cannot create sandbox pods: {obs.pool_error[1]}")
-    unschedulable = [c for c in obs.children if c.kind == "Pod" and c.component == "sandbox"
+    unschedulable = [c for c in obs.children if c.kind == "Pod" and c.component == SANDBOX
                      and c.unschedulable]
     if unschedulable:
         return _cond("SandboxesReady", False, "SandboxesUnschedulable",
                      f"{len(unschedulable)} sandbox pods cannot be scheduled: "
                      f"{unschedulable[0].problem_message}")
     if counts.get("failed"):
-        stuck = _problem(obs.children, "sandbox")
+        stuck = _problem(obs.children, SANDBOX)
         detail = f" ({stuck.name}: {stuck.problem})" if stuck else ""
         return _cond("SandboxesReady", False, "SandboxesFailed",
                      f"{counts['failed']} sandbox pods failed{detail}; they are kept for "
                      "inspection and removed when the pool shrinks")
-    gw = _workload_condition("SandboxesReady", obs.children, "gateway", "gateway", None)
+    gw = _workload_condition("SandboxesReady", obs.children, GATEWAY, "gateway", None)
     if gw["status"] != "True":
         return gw
     ready = counts.get("warm", 0) + counts.get("busy", 0)

@@ -14,7 +14,7 @@ from typing import Any
 
 from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.controller import configmap
+from asyncgrpo.controller import configmap, gateway, rbac, vllm
 from asyncgrpo.controller.common import (
     bucket_env,
     child_name,
@@ -80,7 +80,7 @@ def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
         {"name": wire.NPROC_ENV, "value": str(max(t.gpus_per_replica, 1))},
         {"name": wire.MASTER_ADDR_ENV, "value": rank0_host(run.metadata.name)},
         {"name": wire.MASTER_PORT_ENV, "value": str(wire.TRAINER_RENDEZVOUS_PORT)},
-        {"name": wire.VLLM_URL_ENV, "value": f"http://{name(run, 'vllm')}:{VLLM_PORT}"},
+        {"name": wire.VLLM_URL_ENV, "value": f"http://{name(run, vllm.COMPONENT)}:{VLLM_PORT}"},
         {"name": wire.METRICS_PORT_ENV, "value": str(t.metrics_port)},
         # the root filesystem is read-only: every path the trainer writes is an emptyDir
         # (the work dir: TRL's output dir, checkpoint staging, status.json; HF_HOME: the cache)
@@ -94,7 +94,7 @@ def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
     if run.spec.sandboxes is not None:
         env += [
             {"name": wire.GATEWAY_URL_ENV,
-             "value": f"http://{name(run, 'gateway')}:{GATEWAY_PORT}"},
+             "value": f"http://{name(run, gateway.COMPONENT)}:{GATEWAY_PORT}"},
             {"name": wire.GATEWAY_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                 "name": secret_name(run), "key": GATEWAY_TOKEN_KEY}}},
         ]
@@ -165,7 +165,7 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
                      "annotations": {CONFIG_HASH_ANNOTATION: config_hash,
                                      **scrape_annotations(t.metrics_port)}},
         "spec": {
-            "serviceAccountName": name(run, "workload"),
+            "serviceAccountName": name(run, rbac.WORKLOAD),
             "automountServiceAccountToken": False,
             "securityContext": pod_security(),
             "containers": [container],

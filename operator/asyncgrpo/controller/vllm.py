@@ -18,6 +18,7 @@ from typing import Any
 
 from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
+from asyncgrpo.controller import rbac
 from asyncgrpo.controller.common import (
     bucket_env,
     container_security,
@@ -162,7 +163,7 @@ def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str
                 "metadata": {"labels": pod_labels(run, COMPONENT),
                              "annotations": scrape_annotations(VLLM_PORT)},
                 "spec": {
-                    "serviceAccountName": name(run, "workload"),
+                    "serviceAccountName": name(run, rbac.WORKLOAD),
                     "automountServiceAccountToken": False,
                     "securityContext": pod_security(),
                     "containers": containers,

@@ -35,7 +35,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from asyncgrpo.api import AsyncGRPORun
-from asyncgrpo.controller import bucketjob, vllm
+from asyncgrpo.controller import bucketjob, gateway, sandboxes, trainer, vllm
 from asyncgrpo.local import progress
 from asyncgrpo.local.net import listening
 from asyncgrpo.local.placement import (
@@ -65,7 +65,7 @@ def _split_cpus() -> dict[str, set[int] | None]:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return {}
-    return {"trainer": {cpus[0]}, "vllm": set(cpus[1:])}
+    return {trainer.COMPONENT: {cpus[0]}, vllm.COMPONENT: set(cpus[1:])}
 
 
 @dataclass
@@ -286,25 +286,27 @@ class LocalBackend:
             self._s3()
             pods, procs = self._processes()
             by = {c: [p for p in pods if p.component == c]
-                  for c in (bucketjob.SETUP, "vllm", "sandbox", "gateway", "trainer")}
+                  for c in (bucketjob.SETUP, vllm.COMPONENT, sandboxes.COMPONENT,
+                            gateway.COMPONENT, trainer.COMPONENT)}
             for pod in by[bucketjob.SETUP]:
                 (setup,) = procs[pod.name]
                 self._setup_bucket(pod, setup)
             self.say(f"starting vLLM ({self.run.spec.model.name}); this takes 30-60 s on a CPU")
-            vllm_pod = procs[by["vllm"][0].name]
+            vllm_pod = procs[by[vllm.COMPONENT][0].name]
             servers = self._start_pod(vllm_pod)
             self.scrape_urls = [_metrics_url(lp.ready_url) for lp in vllm_pod
                                 if lp.container != vllm.PULLER_CONTAINER and lp.ready_url]
             self.say("vLLM ready on " + ", ".join(
                 f"{_host_port(lp.ready_url)} ({lp.name})" for lp in vllm_pod))
-            for pod in by["sandbox"]:
+            for pod in by[sandboxes.COMPONENT]:
                 self._start_pod(procs[pod.name])
-            for pod in by["gateway"]:
+            for pod in by[gateway.COMPONENT]:
                 self._start_pod(procs[pod.name])
                 self.scrape_urls.append(_metrics_url(procs[pod.name][0].ready_url))
-                self.say(f"started {len(by['sandbox'])} sandbox server(s) behind a gateway "
-                         f"on {_host_port(procs[pod.name][0].ready_url)}")
-            code = self._train([procs[pod.name][0] for pod in by["trainer"]], servers, poll_s)
+                self.say(f"started {len(by[sandboxes.COMPONENT])} sandbox server(s) behind a "
+                         f"gateway on {_host_port(procs[pod.name][0].ready_url)}")
+            code = self._train([procs[pod.name][0] for pod in by[trainer.COMPONENT]], servers,
+                               poll_s)
             if code == 0:
                 self._report_weights([lp for lp in vllm_pod
                                       if lp.container == vllm.PULLER_CONTAINER])

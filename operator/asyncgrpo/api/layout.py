@@ -58,10 +58,6 @@ def run_folder(prefix: str, namespace: str | None, name: str) -> str:
     return f"{prefix}/{namespace}/{name}/"
 
 
-def marker_key(prefix: str, namespace: str | None, name: str) -> str:
-    return run_folder(prefix, namespace, name) + OWNER_MARKER
-
-
 def ancestors(folder: str) -> list[str]:
     """Every proper ancestor folder of `folder` ('a/b/c/' -> ['a/', 'a/b/']), outermost first."""
     parts = folder.strip("/").split("/")

@@ -28,7 +28,6 @@ Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-st
 #: `python` loads a user function named by `module`.
 BUILTIN_REWARDS = ("exact_match", "regex_match", "numeric_match", "sandbox_tests", "python")
 
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 BUCKET_NAME = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 #: An S3 endpoint: scheme, a host (name, IPv4 or [IPv6]), an optional port and path; no user

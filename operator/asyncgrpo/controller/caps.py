@@ -2,9 +2,9 @@
 
 The model (`asyncgrpo.api`) bounds each field for every cluster; a cluster admin lowers the
 bounds for theirs. `cap_errors` is read by the admission webhook (refused at apply) and by
-the reconcile (an InvalidSpec condition, nothing created), so a run over a cap never floods
-the cluster. The per-namespace sandbox cap is a sum over runs: the pool enforces it when it
-plans creations (`namespace_room`).
+the reconcile (reason OverCap on the Degraded and Progressing conditions, nothing created),
+so a run over a cap never floods the cluster. The per-namespace sandbox cap is a sum over
+runs: the reconcile enforces it when it plans the pool's creations (`reconcile._reserve_room`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
 """One reconcile of one run: compare what the indexes show with what the builders want,
 write only the difference, and compute the status.
 
-Order: validate -> bucket (read the setup Job) -> token Secret -> children (trainer gated on
-vLLM, the gateway and the bucket) -> setup Job -> sandbox pool -> progress -> status. At steady state every step finds nothing to do, so a
-reconcile costs no API write; reads are the indexes (memory) and, for a running run, one
-HTTP scrape of the trainer and one of the gateway's demand.
+Order: validate (the model, cross-field rules, the operator's caps) -> bucket (read the
+setup Job) -> token Secret -> the allowedEgressHosts' addresses -> children (what nothing
+runs as first, then the workloads; the trainer gated on vLLM, the gateway and the bucket)
+-> setup Job -> sandbox pool (the gateway's demand; a drain request for each pod to remove)
+-> progress (the trainer's metrics and termination message; on a full fine-tuning run each
+weights puller's status) -> status. At steady state every step finds nothing to do, so a
+reconcile costs no API write; its reads are the indexes (memory) and, for a running run,
+the tenant's endpoints: one scrape of the trainer, one read of the gateway's demand, one of
+each weights puller, and a drain request per sandbox pod being removed, each bounded by
+`controller.tenant_io` (a deadline per exchange, one wait budget per reconcile).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class Settings:
     #: the annotation asyncgrpo.dev/skip-bucket-cleanup: "true" gives up at once.
     cleanup_timeout_seconds: float = 600.0
     #: Operator-wide limits a run may not exceed (Helm values caps.*): checked by validation
-    #: (webhook and reconcile, reported as InvalidSpec), and the pool never creates past them.
+    #: (webhook and reconcile, reported as OverCap), and the pool never creates past them.
     caps: Caps = field(default_factory=Caps)
     #: GPU resource of runs that name none (spec.gpuResourceName; Helm value gpuResourceName).
     gpu_resource_name: str = "nvidia.com/gpu"

@@ -31,8 +31,6 @@ TERMINAL = frozenset({SUCCEEDED, FAILED})
 #: Trainer restarts with a non-zero exit after which the run is Failed (a Job's default).
 TRAINER_BACKOFF_LIMIT = 6
 
-CONDITION_TYPES = ("BucketReady", "RolloutReady", "SandboxesReady", "TrainerReady",
-                   "AdapterInSync", "Progressing", "Degraded")
 #: The deep checks of the run where its model, data and modules are (`asyncgrpo preflight`;
 #: docs/api.md): set False with the field path before vLLM and the trainer are scaled up.
 PREFLIGHT_CONDITION = "Preflight"

@@ -110,13 +110,6 @@ class CommandCgroup:
     def describe(self) -> dict:
         return {"memory_bytes": self.memory_bytes, "pids": self.pids, "memory_cgroup": self.memory_dir}
 
-    def oom_kills(self) -> int:
-        try:
-            with open(os.path.join(self.memory_dir, "memory.failcnt")) as f:
-                return int(f.read())
-        except OSError:
-            return 0
-
     def remove(self) -> None:
         for d in (self.memory_dir, self.pids_dir):
             try:

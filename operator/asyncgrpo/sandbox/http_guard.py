@@ -70,11 +70,6 @@ def bearer(header_value: str | None) -> str | None:
     return header_value[7:].strip() or None
 
 
-def token_matches(header_value: str | None, token: str) -> bool:
-    presented = bearer(header_value)
-    return presented is not None and hmac.compare_digest(presented.encode(), token.encode())
-
-
 def run_token(token: str) -> Callable[[str, str | None], Grant | None]:
     """The plain policy: every non-open path needs the one run-wide token."""
     if not token:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -202,12 +202,3 @@ def apply_delta(local_dir: Path, delta_path: Path) -> tuple[int, int]:
         finally:
             del mm
     return len(plan), elements
-
-
-def delta_stats(parts: Iterable[tuple[int, int]]) -> dict[str, int]:
-    """Sum of (changed elements, total elements) pairs, for the manifest's extra."""
-    changed = total = 0
-    for c, t in parts:
-        changed += c
-        total += t
-    return {"changed_elements": changed, "total_elements": total}

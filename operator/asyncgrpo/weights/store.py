@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_FORMAT = "asyncgrpo.weights/v1"
 ANCHOR, DELTA = "anchor", "delta"
-#: Default ``spec.weights.anchorInterval``: a full version every K versions.
+#: Default ``spec.model.full.anchorInterval``: a full version every K versions.
 DEFAULT_ANCHOR_INTERVAL = 10
 
 # The adapter store's error types, under the names readers of this module expect.

@@ -63,6 +63,9 @@ GATEWAY_DRAIN_PATH = "/v1/members/{name}/drain"
 DEFAULT_NAME_PREFIX = "policy-v"
 
 # -- environment variables -------------------------------------------------------------------
+#: every variable the operator sets or the programs read starts with it (a pod's own env may
+#: not set one: asyncgrpo.api.placement)
+ENV_PREFIX = "ASYNCGRPO_"
 #: every server's default bind host (the local backend gives each pod its own loopback
 #: address; in a pod it is unset: all interfaces)
 BIND_HOST_ENV = "ASYNCGRPO_BIND_HOST"
@@ -131,6 +134,9 @@ GATEWAY_SANDBOX_PORT_ENV = GATEWAY_ENV_PREFIX + "SANDBOX_PORT"
 GATEWAY_MAX_EXEC_ENV = GATEWAY_ENV_PREFIX + "MAX_EXEC_SECONDS"
 GATEWAY_MEMBERS_ENV = GATEWAY_ENV_PREFIX + "MEMBERS"
 GATEWAY_LIFECYCLE_ENV = GATEWAY_ENV_PREFIX + "LIFECYCLE"
+#: set by a user (never by the operator) for the processes of one trainer that must share
+#: sandbox groups; read by asyncgrpo.sandbox.client
+GROUP_KEY_ENV = "ASYNCGRPO_GROUP_KEY"
 
 #: `asyncgrpo operator`: every flag has an ASYNCGRPO_OPERATOR_* default (the chart sets them)
 OPERATOR_ENV_PREFIX = "ASYNCGRPO_OPERATOR_"
@@ -138,6 +144,8 @@ OPERATOR_ENV_PREFIX = "ASYNCGRPO_OPERATOR_"
 # -- outside the pods: a developer's or a test machine's cache ---------------------------------
 #: the cluster binaries, the vLLM CPU venv, images, helm (hack/*.sh honour it too)
 CACHE_ENV = "ASYNCGRPO_CACHE"
+#: the vLLM CPU venv (hack/setup-vllm-venv.sh), default venv-vllm under the cache
+VLLM_VENV_ENV = "ASYNCGRPO_VLLM_VENV"
 
 
 def user_cache_dir(env: Mapping[str, str] = os.environ) -> Path:

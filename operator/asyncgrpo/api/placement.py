@@ -30,7 +30,7 @@ OWNED_MOUNT_PATHS = ("/tmp", "/dev/shm", wire.TERMINATION_LOG, wire.CACHE_DIR,
                      wire.CONFIG_MOUNT, wire.DATA_DIR, wire.TRAINER_WORK_DIR,
                      wire.SANDBOX_WORKSPACE)
 #: Variables the operator sets to wire components together or reach the bucket.
-OWNED_ENV_PREFIXES = ("ASYNCGRPO_",)
+OWNED_ENV_PREFIXES = (wire.ENV_PREFIX,)
 OWNED_ENV = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3",
                        "AWS_DEFAULT_REGION", "HF_HOME", "HF_HUB_OFFLINE", "HOME"})
 

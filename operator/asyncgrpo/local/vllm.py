@@ -19,7 +19,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 def vllm_venv() -> Path:
     """Where hack/setup-vllm-venv.sh puts it (same variables, same default)."""
-    return Path(os.environ.get("ASYNCGRPO_VLLM_VENV", wire.user_cache_dir() / "venv-vllm"))
+    return Path(os.environ.get(wire.VLLM_VENV_ENV, wire.user_cache_dir() / "venv-vllm"))
 
 
 def vllm_python() -> Path | None:

@@ -38,10 +38,7 @@ from asyncgrpo.sandbox.messages import (
     ScoreResult,
     WriteResult,
 )
-from asyncgrpo.wire import GATEWAY_DEMAND_PATH, GATEWAY_TOKEN_ENV, GATEWAY_URL_ENV
-
-#: a group key shared by the processes of one trainer (else each client makes its own)
-GROUP_KEY_ENV = "ASYNCGRPO_GROUP_KEY"
+from asyncgrpo.wire import GATEWAY_DEMAND_PATH, GATEWAY_TOKEN_ENV, GATEWAY_URL_ENV, GROUP_KEY_ENV
 
 _LEASE_GONE = frozenset({"lease_released", "lease_expired", "lease_unknown", "sandbox_lost", "lease_revoked"})
 

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo import wire
 from asyncgrpo.controller.bucketjob import CLEANUP, SETUP
 from asyncgrpo.controller.kube import path, request
 
@@ -116,7 +117,7 @@ class BucketJobKubelet:
                         "HOME": tmp, "AWS_EC2_METADATA_DISABLED": "true",
                         "AWS_CONFIG_FILE": os.devnull,
                         "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-                        "ASYNCGRPO_TERMINATION_LOG": log})
+                        wire.TERMINATION_LOG_ENV: log})
             cmd = container["command"] + (container.get("args") or [])
             assert cmd[0] == "asyncgrpo", cmd   # the image's entry point
             started = _now()

@@ -168,3 +168,32 @@ def test_a_dns_name_resolves_to_its_addresses():
     got = asyncio.run(resolve(RoutingConfig("localhost", port=8000)))
     assert "127.0.0.1:8000" in got
     assert asyncio.run(resolve(RoutingConfig("no-such-host.invalid"))) is None
+
+
+def test_the_rollout_workers_routing_numbers_become_per_replica_series():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from asyncgrpo.trainer.metrics import TrainerMetrics
+
+    def series(m):
+        return {(s.name, s.labels.get("replica")): s.value
+                for f in text_string_to_metric_families(m.exposition().decode())
+                for s in f.samples if "rollout_r" in s.name and not s.name.endswith("_created")}
+
+    m = TrainerMetrics()
+    a, b = "10.0.0.1:8000", "[fd00::2]:8000"
+    # one TRL logging window, reduced per key as TRL does (counters summed, gauges averaged)
+    m.update_from_logs({f"routing/{a}/requests_total": 30.0, f"routing/{b}/requests_total": 28.0,
+                        f"routing/{a}/groups_total": 4.0, f"routing/{b}/failovers_total": 1.0,
+                        f"routing/{a}/groups_in_flight": 2.0, f"routing/{b}/groups_in_flight": 1.5,
+                        f"routing/{a}/served_version": 7.0, "reward": 0.5})
+    m.update_from_logs({f"routing/{a}/requests_total": 2.0, f"routing/{a}/groups_in_flight": 1.0})
+    got = series(m)
+    p = "asyncgrpo_trainer_rollout_"
+    assert got[(p + "routed_requests_total", a)] == 32 and got[(p + "routed_requests_total", b)] == 28
+    assert got[(p + "routed_groups_total", a)] == 4
+    assert got[(p + "route_failovers_total", b)] == 1
+    assert got[(p + "replica_groups_in_flight", a)] == 1.0
+    # b left the replica set: its gauges go, its counters stay (Prometheus' rate needs them)
+    assert (p + "replica_groups_in_flight", b) not in got
+    assert got[(p + "replica_served_version", a)] == 7.0

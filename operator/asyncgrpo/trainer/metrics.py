@@ -88,6 +88,13 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "checkpoint_seconds": ("histogram", "Seconds to write one checkpoint to the bucket.", ()),
 }
 
+#: the rollout worker's `routing/<replica>/<key>` (asyncgrpo.trainer.routed_loop)
+_ROUTING = {"requests_total": "rollout_routed_requests_total",
+            "groups_total": "rollout_routed_groups_total",
+            "failovers_total": "rollout_route_failovers_total",
+            "groups_in_flight": "rollout_replica_groups_in_flight",
+            "served_version": "rollout_replica_served_version"}
+
 _TIME_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -264,24 +271,17 @@ class TrainerMetrics:
             self.set("forwarded_tokens_per_second", fwd_s)
             self.set("raw_tokens_per_second", fwd_s * (ratio or 1.0))
 
-    #: the rollout worker's `routing/<replica>/<key>` (asyncgrpo.trainer.routed_loop)
-    _ROUTING = {"requests_total": "rollout_routed_requests_total",
-                "groups_total": "rollout_routed_groups_total",
-                "failovers_total": "rollout_route_failovers_total",
-                "groups_in_flight": "rollout_replica_groups_in_flight",
-                "served_version": "rollout_replica_served_version"}
-
     def _routing_from_logs(self, logs: dict[str, float]) -> None:
         """Per-replica routing numbers; a replica gone from the window's gauges loses its
         gauge series (it left the replica set)."""
         seen: dict[str, set[str]] = {}
         for key, v in logs.items():
             parts = key.split("/")
-            if len(parts) != 3 or parts[0] != "routing" or parts[2] not in self._ROUTING:
+            if len(parts) != 3 or parts[0] != "routing" or parts[2] not in _ROUTING:
                 continue
             if not isinstance(v, (int, float)) or math.isnan(v):
                 continue
-            name, replica = self._ROUTING[parts[2]], parts[1]
+            name, replica = _ROUTING[parts[2]], parts[1]
             if METRICS[name][0] == "counter":
                 if v:
                     self.inc(name, v, replica=replica)

@@ -97,7 +97,7 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
             async with self._route_session.get(
                     url, timeout=aiohttp.ClientTimeout(total=PULLER_TIMEOUT_S)) as resp:
                 doc = await resp.json(content_type=None) if resp.status == 200 else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ValueError):
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             doc = {}
         version = doc.get("served_version") if isinstance(doc, dict) else None
         swapping = bool(doc.get("swapping")) if isinstance(doc, dict) else False

@@ -44,6 +44,8 @@ MAIN_PANELS = (
     "Sandboxes by state",
     "vLLM generation tokens/s",
     "vLLM KV-cache usage",
+    "vLLM prefix-cache hit rate per replica",
+    "Rollout requests routed per replica",
     "Gateway lease wait",
     "Gateway execs/s",
 )

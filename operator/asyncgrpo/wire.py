@@ -73,6 +73,13 @@ LOG_LEVEL_ENV = "ASYNCGRPO_LOG_LEVEL"
 
 # the trainer (asyncgrpo.trainer.runtime_env documents each)
 VLLM_URL_ENV = "ASYNCGRPO_VLLM_URL"
+#: group-affine routing over the vLLM replicas (asyncgrpo.trainer.routing): a host name whose
+#: DNS A/AAAA records are the ready replicas (the headless Service), or a comma-separated list
+#: of replica roots; unset: every request goes to VLLM_URL_ENV (the Service)
+VLLM_REPLICAS_ENV = "ASYNCGRPO_VLLM_REPLICAS"
+#: full fine-tuning: the replicas' puller port, read for their served version (version-aware
+#: routing); unset: versions are not consulted
+VLLM_PULLER_PORT_ENV = "ASYNCGRPO_VLLM_PULLER_PORT"
 GATEWAY_URL_ENV = "ASYNCGRPO_GATEWAY_URL"
 S3_ENDPOINT_ENV = "ASYNCGRPO_S3_ENDPOINT"
 RUN_NAME_ENV = "ASYNCGRPO_RUN_NAME"

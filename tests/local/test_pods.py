@@ -92,6 +92,8 @@ def test_local_tiny_runs_the_builders_pods(tmp_path):
     assert config.parent == Path(placement.volumes[t.pod]["config"])
     assert yaml.safe_load(config.read_text()) == run_document(run)
     assert t.env["ASYNCGRPO_VLLM_URL"] == f"http://{v_addr}:{VLLM_PORT}"
+    # affine routing's headless Service names the one local vLLM pod (host and port translated)
+    assert t.env["ASYNCGRPO_VLLM_REPLICAS"] == f"{v_addr}:{VLLM_PORT}"
     assert t.env["ASYNCGRPO_WORK_DIR"] == placement.volumes[t.pod]["work"]
     assert t.env["HOME"] == placement.volumes[t.pod]["tmp"]
     assert t.env["TRL_EXPERIMENTAL_SILENCE"] == "1"  # from images/trainer

@@ -31,7 +31,12 @@ def trl_window(step: int) -> dict[str, float]:
             "sample/rollout_queue_size": 3.0, "batch/packing_ratio": 2.5,
             "perf/step_s": 2.0, "perf/rollout_wait_s": 0.5, "perf/fwd_bwd_s": 1.2,
             "perf/optimizer_s": 0.2, "perf/weight_sync_s": 0.1,
-            "perf/forwarded_tok_s_wall_clock": 400.0}
+            "perf/forwarded_tok_s_wall_clock": 400.0,
+            # the rollout worker's affine routing over two replicas (trainer.routed_loop)
+            "routing/10.1.0.7:8000/requests_total": 12.0, "routing/10.1.0.8:8000/requests_total": 9.0,
+            "routing/10.1.0.8:8000/failovers_total": 1.0,
+            "routing/10.1.0.7:8000/groups_in_flight": 2.0,
+            "routing/10.1.0.8:8000/groups_in_flight": 1.0}
 
 
 @pytest.fixture

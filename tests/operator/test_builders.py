@@ -341,3 +341,42 @@ def test_token_secret_is_random_per_build():
     a, b = secret.build_secret(run_of()), secret.build_secret(run_of())
     assert a["stringData"]["gateway-token"] != b["stringData"]["gateway-token"]
     assert len(a["stringData"]["sandbox-token"]) >= 40
+
+
+def test_affine_routing_finds_the_ready_replicas_through_a_headless_service():
+    run = run_of("full-finetune.yaml", **{"spec.rollout.replicas": 3})
+    assert run.spec.rollout.routing == "affine"  # the default
+    svc = vllm.build_replicas_service(run)
+    assert svc["metadata"]["name"] == f"{run.metadata.name}-vllm-replicas"
+    # one DNS record per Ready pod: a replica loading or catching up gets no rollouts
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
+    assert svc["spec"]["selector"] == vllm.build_service(run)["spec"]["selector"]
+    assert svc in build_children(run)
+    env = {e["name"]: e.get("value") for e in trainer.trainer_env(run)}
+    assert env["ASYNCGRPO_VLLM_REPLICAS"] == f"{run.metadata.name}-vllm-replicas:8000"
+    assert env["ASYNCGRPO_VLLM_PULLER_PORT"] == "8100"   # full fine-tuning: version-aware
+    # the trainer reads the pullers' /status: admitted on that port beside the operator
+    vllm_rules = next(p for p in network.build_policies(run)
+                      if p["metadata"]["name"].endswith("-vllm"))["spec"]["ingress"]
+    puller = next(r for r in vllm_rules if r["ports"] == [{"protocol": "TCP", "port": 8100}])
+    assert network.OPERATOR_SCRAPER in puller["from"]
+    assert {"podSelector": {"matchLabels": trainer.build_statefulset(run)["spec"]["selector"][
+        "matchLabels"]}} in puller["from"]
+    # still no token and no Role for the trainer: DNS needs none
+    workload = next(o for o in rbac.build_rbac(run) if o["kind"] == "ServiceAccount")
+    assert workload["automountServiceAccountToken"] is False
+    # LoRA: no puller to read
+    lora = {e["name"]: e.get("value") for e in trainer.trainer_env(run_of("lora-math.yaml"))}
+    assert "ASYNCGRPO_VLLM_REPLICAS" in lora and "ASYNCGRPO_VLLM_PULLER_PORT" not in lora
+
+
+def test_routing_service_sends_everything_through_the_vllm_service():
+    run = run_of("full-finetune.yaml", **{"spec.rollout.routing": "service"})
+    assert vllm.build_replicas_service(run) is None
+    assert not any(o["metadata"]["name"].endswith("-vllm-replicas") for o in build_children(run))
+    env = {e["name"] for e in trainer.trainer_env(run)}
+    assert not env & {"ASYNCGRPO_VLLM_REPLICAS", "ASYNCGRPO_VLLM_PULLER_PORT"}
+    vllm_rules = next(p for p in network.build_policies(run)
+                      if p["metadata"]["name"].endswith("-vllm"))["spec"]["ingress"]
+    puller = next(r for r in vllm_rules if r["ports"] == [{"protocol": "TCP", "port": 8100}])
+    assert puller["from"] == [network.OPERATOR_SCRAPER]

@@ -71,3 +71,21 @@ def test_a_copy_killed_mid_apply_starts_again_from_an_anchor(store, tmp_path):
     assert again.local_version is None
     again._catch_up(3)
     assert again.local_version == 3 and _equal(_local(again), states[3])
+
+
+def test_status_says_swapping_between_pause_and_resume(store, tmp_path):
+    """The trainer's router reads `swapping` to give a replica mid-swap no new group."""
+    seen = []
+
+    class Recording(VLLMControl):
+        def swap(self, weights_dir, version):  # where /pause .. /resume happen
+            seen.append(puller.status()["swapping"])
+
+        def served_model(self):
+            return "m"
+
+    puller = Puller(store, Recording("http://127.0.0.1:9"), tmp_path / "pod", probe=False)
+    assert puller.status()["swapping"] is None
+    assert puller._swap(3, None)
+    assert seen == [3] and puller.status()["swapping"] is None
+    assert puller.status()["served_version"] == 3

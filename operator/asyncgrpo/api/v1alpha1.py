@@ -391,6 +391,15 @@ class RolloutSpec(Model):
     image: str = Field(default=default_image("vllm"), min_length=1,
                        description="vLLM image carrying the asyncgrpo LoRA resolver plugin.")
     replicas: int = Field(default=1, ge=1, le=1024, description="vLLM server replicas.")
+    routing: Literal["affine", "service"] = Field(
+        default="affine",
+        description="How rollout requests reach the replicas. affine: the trainer sends each "
+        "group, and every turn of its conversations, to one replica (consistent hashing "
+        "with bounded load, failover to the next replica; with full fine-tuning new groups "
+        "only to replicas serving the newest version), so shared prefixes hit that "
+        "replica's prefix cache. service: every request through the vLLM Service, spread "
+        "by kube-proxy. One replica: the same either way.",
+    )
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=16, description="GPUs per vLLM replica (--tensor-parallel-size)."
     )

@@ -21,6 +21,8 @@ def build_children(run: AsyncGRPORun, *, stopped: bool = False, start_trainer: b
     out: list[dict[str, Any]] = [*rbac.build_rbac(run), configmap.build_config_map(run)]
     out += network.build_policies(run, resolved_hosts, scrapers)
     out += [vllm.build_service(run), vllm.build_deployment(run, 0 if stopped else None)]
+    if (replicas := vllm.build_replicas_service(run)) is not None:
+        out.append(replicas)
     if run.spec.sandboxes is not None:
         out += [gateway.build_service(run), gateway.build_deployment(run, 0 if stopped else 1)]
     out += [trainer.build_service(run),

@@ -135,8 +135,11 @@ def build_policies(run: AsyncGRPORun, resolved_hosts: list[str] | None = None,
         *([{"from": scrapers, "ports": [{"protocol": "TCP", "port": metrics}]}]
           if scrapers else []),
     ]}
-    # full fine-tuning: the operator reads each replica's weights puller (served version)
-    pullers = [{"from": [OPERATOR_SCRAPER], "ports": [{"protocol": "TCP", "port": PULLER_PORT}]}
+    # full fine-tuning: the operator reads each replica's weights puller (served version), and
+    # so does the trainer's router (version-aware routing) when routing is affine
+    readers = [OPERATOR_SCRAPER] + ([_peer(run, trainer.COMPONENT)]
+                                    if run.spec.rollout.routing == "affine" else [])
+    pullers = [{"from": readers, "ports": [{"protocol": "TCP", "port": PULLER_PORT}]}
                ] if run.spec.model.finetuning == "full" else []
     out = [
         _policy(run, trainer.COMPONENT, trainer_rules),

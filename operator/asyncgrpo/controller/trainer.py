@@ -91,6 +91,12 @@ def trainer_env(run: AsyncGRPORun) -> list[dict[str, Any]]:
         # (a variable from reportToSecret does not: a pod's env wins over its envFrom)
         *({"name": k, "value": v} for k, v in logger_env(run).items()),
     ]
+    if run.spec.rollout.routing == "affine":
+        # set whatever the replica count, so scaling vLLM never rolls the trainer
+        env.append({"name": wire.VLLM_REPLICAS_ENV,
+                    "value": f"{name(run, 'vllm-replicas')}:{VLLM_PORT}"})
+        if run.spec.model.finetuning == "full":
+            env.append({"name": wire.VLLM_PULLER_PORT_ENV, "value": str(wire.PULLER_PORT)})
     if run.spec.sandboxes is not None:
         env += [
             {"name": wire.GATEWAY_URL_ENV,

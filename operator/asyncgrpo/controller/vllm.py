@@ -1,4 +1,4 @@
-"""vLLM rollout servers: a Deployment and its Service.
+"""vLLM rollout servers: a Deployment, its Service and, for routing, a headless Service.
 
 LoRA runs load adapters by name through the asyncgrpo S3 resolver plugin
 (`asyncgrpo.adapters.vllm_plugin`, configured by the ASYNCGRPO_ADAPTER_* variables), which
@@ -10,6 +10,11 @@ follows the run's weights/ folder in the bucket and swaps each version into the 
 beside it through the dev-mode routes on loopback; an emptyDir holds its full copy, and the
 pod is Ready only once the sidecar has loaded the newest version. No port from the trainer to
 vLLM, no NCCL.
+
+With `spec.rollout.routing: affine` (the default) the trainer sends each group's requests to
+one replica itself (`asyncgrpo.trainer.routed_loop`); it finds the replicas through the
+headless Service `<run>-vllm-replicas`, whose DNS records are the Ready pods' addresses (no
+API access, so the trainer keeps running without a token).
 """
 
 from __future__ import annotations
@@ -107,8 +112,24 @@ def puller_container(run: AsyncGRPORun) -> dict[str, Any]:
     }
 
 
+#: the headless Service's name suffix (`<run>-vllm-replicas`)
+REPLICAS_SERVICE = "vllm-replicas"
+
+
 def build_service(run: AsyncGRPORun) -> dict[str, Any]:
     return service(run, COMPONENT, [{"name": "http", "port": VLLM_PORT, "targetPort": "http"}])
+
+
+def build_replicas_service(run: AsyncGRPORun) -> dict[str, Any] | None:
+    """Headless: one DNS record per Ready replica (not-ready ones are left out, so a replica
+    still loading, or whose puller has not caught up, gets no rollouts). None without
+    affine routing."""
+    if run.spec.rollout.routing != "affine":
+        return None
+    svc = service(run, COMPONENT, [{"name": "http", "port": VLLM_PORT, "targetPort": "http"}])
+    svc["metadata"] = metadata(run, COMPONENT, name(run, REPLICAS_SERVICE))
+    svc["spec"] |= {"clusterIP": "None", "publishNotReadyAddresses": False}
+    return stamp(svc)
 
 
 def build_deployment(run: AsyncGRPORun, replicas: int | None = None) -> dict[str, Any]:

@@ -110,6 +110,8 @@ def run_pods(run: AsyncGRPORun, sandbox_count: int) -> list[Pod]:
 
 def services(run: AsyncGRPORun) -> list[dict]:
     out = [vllm.build_service(run), trainer.build_service(run)]
+    if (replicas := vllm.build_replicas_service(run)) is not None:  # the router's DNS name
+        out.append(replicas)
     if run.spec.sandboxes is not None:
         out.append(gateway.build_service(run))
     return out

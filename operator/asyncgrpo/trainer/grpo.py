@@ -119,7 +119,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                  probe_ids=None, probe_tolerance: float = wire.DEFAULT_PROBE_TOLERANCE, checkpoints=None,
                  retention: int = 8, max_staleness: int = 0, retry_attempts: int = 8,
                  retry_backoff_s: float = 1.0, fault_corrupt_versions=(), status_file=None,
-                 weight_store=None, anchor_interval: int = 10, **kwargs):
+                 weight_store=None, anchor_interval: int = 10, routing=None, **kwargs):
         if not served_prefix.endswith("-v"):
             raise ValueError(f"served_prefix {served_prefix!r} must end in '-v'")
         self._served_lora_name = served_prefix[:-2]
@@ -166,7 +166,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         if isinstance(self.rollout_worker, AsyncRolloutWorker):
             if self._weights is not None:  # replicas swap on their own: ask vLLM what sampled
                 self.rollout_worker._loop_cls = ServedVersionRolloutLoop
-            self._gate = RolloutGate(self.rollout_worker)
+            # routing: each group's requests to one vLLM replica (asyncgrpo.trainer.routing)
+            self._gate = RolloutGate(self.rollout_worker, routing=routing)
 
     # TRL assigns `self._lora_name = "trl-policy"` in __init__ and builds the rollout worker's
     # request names from it (f"{lora_name}-v{N}"): a data descriptor keeps ours.

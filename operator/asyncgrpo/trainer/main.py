@@ -311,6 +311,7 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
         samples_per_plan=spec.trainer.prompts_per_step * spec.trainer.num_generations,
         weight_store=None if lora else _weight_store(store),
         anchor_interval=spec.model.full.anchor_interval,
+        routing=env.routing,
     )
 
 

@@ -70,9 +70,30 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rollout_queue_depth": ("gauge", "Scored samples waiting for the trainer.", ()),
     "retries_total": (
         "counter", "Calls retried because a dependency was unreachable.", ("target",)),
+    "rollout_routed_requests_total": (
+        "counter", "Requests the rollout worker sent to each vLLM replica (affine routing).",
+        ("replica",)),
+    "rollout_routed_groups_total": (
+        "counter", "Groups placed on each vLLM replica (first placement or a move).",
+        ("replica",)),
+    "rollout_route_failovers_total": (
+        "counter", "Requests that failed on a replica and moved to the next one.",
+        ("replica",)),
+    "rollout_replica_groups_in_flight": (
+        "gauge", "Groups with a rollout in flight on each vLLM replica.", ("replica",)),
+    "rollout_replica_served_version": (
+        "gauge", "Weights version each replica's puller reports serving (full fine-tuning).",
+        ("replica",)),
     "checkpoint_step": ("gauge", "Step of the newest complete checkpoint in the bucket.", ()),
     "checkpoint_seconds": ("histogram", "Seconds to write one checkpoint to the bucket.", ()),
 }
+
+#: the rollout worker's `routing/<replica>/<key>` (asyncgrpo.trainer.routed_loop)
+_ROUTING = {"requests_total": "rollout_routed_requests_total",
+            "groups_total": "rollout_routed_groups_total",
+            "failovers_total": "rollout_route_failovers_total",
+            "groups_in_flight": "rollout_replica_groups_in_flight",
+            "served_version": "rollout_replica_served_version"}
 
 _TIME_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -244,7 +265,33 @@ class TrainerMetrics:
             self.observe("train_seconds", fwd_bwd + (opt or 0.0))
         if (v := get("perf/weight_sync_s")) is not None:
             self.observe("weight_sync_seconds", v)
+        self._routing_from_logs(logs)
         fwd_s = get("perf/forwarded_tok_s_wall_clock")
         if fwd_s is not None:
             self.set("forwarded_tokens_per_second", fwd_s)
             self.set("raw_tokens_per_second", fwd_s * (ratio or 1.0))
+
+    def _routing_from_logs(self, logs: dict[str, float]) -> None:
+        """Per-replica routing numbers; a replica gone from the window's gauges loses its
+        gauge series (it left the replica set)."""
+        seen: dict[str, set[str]] = {}
+        for key, v in logs.items():
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] != "routing" or parts[2] not in _ROUTING:
+                continue
+            if not isinstance(v, (int, float)) or math.isnan(v):
+                continue
+            name, replica = _ROUTING[parts[2]], parts[1]
+            if METRICS[name][0] == "counter":
+                if v:
+                    self.inc(name, v, replica=replica)
+            else:
+                self._m[name].labels(replica=replica).set(float(v))
+                seen.setdefault(name, set()).add(replica)
+        if "rollout_replica_groups_in_flight" not in seen:
+            return  # no push in this window: nothing known about the set
+        current = seen["rollout_replica_groups_in_flight"]
+        for name in ("rollout_replica_groups_in_flight", "rollout_replica_served_version"):
+            gauge = self._m[name]
+            for (replica,) in [k for k in list(gauge._metrics) if k[0] not in current]:
+                gauge.remove(replica)

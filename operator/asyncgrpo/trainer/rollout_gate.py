@@ -9,7 +9,8 @@ that long. It is also the hook through which rollouts could be held during any
 maintenance that needs a quiet server.
 
 Plugged in through TRL's documented hook `AsyncRolloutWorker._loop_cls`: the child process
-runs `GatedRolloutLoop`, which wraps `_post` (every HTTP call the loop makes to vLLM).
+runs `GatedRolloutLoop`, which wraps `_post` (every HTTP call the loop makes to vLLM); below
+it, `RoutedRolloutLoop` picks the replica each call goes to (`asyncgrpo.trainer.routed_loop`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import struct
 import time
 from multiprocessing import shared_memory
 
-from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+from asyncgrpo.trainer.routed_loop import RoutedRolloutLoop, RoutingConfig
 
 # Shared block: byte 0 = gate open (1) or closed (0), written by the trainer only;
 # bytes 4..8 = int32 requests in flight, written by the rollout child only (one asyncio
@@ -29,7 +30,7 @@ from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 _SIZE = 8
 
 
-class GatedRolloutLoop(_AsyncRolloutLoop):
+class GatedRolloutLoop(RoutedRolloutLoop):
     def __init__(self, *args, gate_name: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._gate_shm = None
@@ -58,13 +59,15 @@ class GatedRolloutLoop(_AsyncRolloutLoop):
 class RolloutGate:
     """Trainer side: install on a TRL AsyncRolloutWorker before it starts."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, routing: RoutingConfig | None = None):
         self._shm = shared_memory.SharedMemory(create=True, size=_SIZE)
         self._shm.buf[:_SIZE] = bytes(_SIZE)
         self._shm.buf[0] = 1
         if not issubclass(worker._loop_cls, GatedRolloutLoop):
             worker._loop_cls = GatedRolloutLoop
         worker._loop_kwargs["gate_name"] = self._shm.name
+        if routing is not None:
+            worker._loop_kwargs["routing"] = routing
 
     def _inflight(self) -> int:
         return struct.unpack_from("i", self._shm.buf, 4)[0]

@@ -12,6 +12,12 @@ Variable                       Meaning
 =============================  ==========================================================
 ASYNCGRPO_VLLM_URL             vLLM OpenAI-compatible root, e.g. http://run-vllm:8000
                                (required; the Service in front of every replica)
+ASYNCGRPO_VLLM_REPLICAS        the replicas for group-affine routing: a DNS name whose
+                               records are the Ready replicas (the operator's headless
+                               Service <run>-vllm-replicas) or comma-separated roots;
+                               unset: every request goes to ASYNCGRPO_VLLM_URL
+ASYNCGRPO_VLLM_PULLER_PORT     full fine-tuning: the replicas' puller port; new groups go
+                               to replicas serving the newest version, none mid-swap
 ASYNCGRPO_GATEWAY_URL          sandbox gateway root (multi-turn tools, sandbox_tests)
 ASYNCGRPO_GATEWAY_TOKEN        gateway bearer token (read by asyncgrpo.sandbox.client)
 ASYNCGRPO_S3_ENDPOINT          overrides spec.adapterStore.endpoint (else
@@ -51,6 +57,7 @@ from pathlib import Path
 
 from asyncgrpo import wire
 from asyncgrpo.trainer.distributed import Topology
+from asyncgrpo.trainer.routing import RoutingConfig
 
 DEFAULT_WORK_DIR = "/tmp/asyncgrpo-trainer"
 
@@ -87,6 +94,11 @@ def _versions(env: dict[str, str], key: str) -> tuple[int, ...]:
         raise RuntimeEnvError(f"{key}={raw!r} is not a comma-separated list of versions") from None
 
 
+def _routing(env: dict[str, str]) -> RoutingConfig | None:
+    _int(env, wire.VLLM_PULLER_PORT_ENV, None)  # a clear error for a malformed port
+    return RoutingConfig.from_env(env)
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     vllm_url: str | None
@@ -101,6 +113,7 @@ class RuntimeEnv:
     retry_backoff_s: float = 1.0
     max_steps: int | None = None
     fault_corrupt_versions: tuple[int, ...] = ()
+    routing: RoutingConfig | None = None
     topology: Topology = field(default_factory=Topology)
 
     @classmethod
@@ -131,6 +144,7 @@ class RuntimeEnv:
             retry_backoff_s=_float(env, wire.RETRY_BACKOFF_ENV, 1.0),
             max_steps=_int(env, wire.MAX_STEPS_ENV, None),
             fault_corrupt_versions=_versions(env, wire.FAULT_CORRUPT_VERSIONS_ENV),
+            routing=_routing(env),
             topology=Topology.from_env(env),
         )
 

@@ -191,6 +191,7 @@ class Puller:
         self.latest_seen: int | None = None
         self.refused: dict[int, str] = {}
         self.ready = False
+        self.swapping: int | None = None  # the version between /pause and /resume
         self.history: list[dict] = []  # one entry per swap (bounded)
         self.errors = 0
         self._lock = threading.Lock()
@@ -346,12 +347,18 @@ class Puller:
             except (SwapFailed, OSError, KeyError, ValueError, TypeError):
                 pass
         t0 = time.time()
+        # read by the trainer's router: a replica mid-swap gets no new group
+        with self._lock:
+            self.swapping = version
         try:
             self.vllm.swap(self.current, version)
         except (SwapFailed, OSError) as err:
             self.errors += 1
             log.error("weights v%d: swap failed: %s", version, err)
             return False
+        finally:
+            with self._lock:
+                self.swapping = None
         record = {"version": version, "swapped_at": time.time(), "swap_s": time.time() - t0}
         if manifest is None or manifest.version != version:
             try:
@@ -390,6 +397,7 @@ class Puller:
     def status(self) -> dict:
         with self._lock:
             return {"ready": self.ready, "served_version": self.served_version,
+                    "swapping": self.swapping,
                     "local_version": self.local_version, "latest_seen": self.latest_seen,
                     "refused": {str(k): v for k, v in sorted(self.refused.items())},
                     "errors": self.errors, "history": list(self.history)}

@@ -126,6 +126,8 @@ def test_local_run_trains_and_stops_everything(tmp_path):
     assert all(0.0 <= e["eval_reward"] <= 1.0 for e in evals)
     assert "eval_rewards/digit_fraction" in evals[0]
     assert evals[1]["eval_policy_version"] >= evals[0]["eval_policy_version"] >= 1
+    assert (f"eval reward (6 rollouts each): step 2 {evals[0]['eval_reward']:.3f}, "
+            f"step 3 {evals[1]['eval_reward']:.3f}") in result.stdout
 
 
 @pytest.mark.slow
@@ -375,6 +377,12 @@ def test_local_run_refuses_a_config_map_data_source(tmp_path):
     result, _ = _local_run(tmp_path, mutate=mutate)
     assert result.returncode == 1
     assert "spec.data.configMap" in result.stderr and "spec.data.path" in result.stderr
+
+    def eval_cm(doc):
+        doc["spec"]["data"]["eval"] = {"configMap": {"name": "held-out", "key": "e.jsonl"}}
+    result, _ = _local_run(tmp_path, mutate=eval_cm)
+    assert result.returncode == 1
+    assert "spec.data.eval.configMap" in result.stderr and "spec.data.eval.path" in result.stderr
 
 
 def test_local_run_refuses_a_loggers_secret(tmp_path):

@@ -40,9 +40,11 @@ class _Version:
 
 
 def eval_loop_kwargs(worker_kwargs: dict[str, Any], dataset, *, num_generations: int,
-                     temperature: float | None) -> dict[str, Any]:
-    """The rollout worker's loop kwargs for an eval pass over `dataset`."""
-    kw = {k: v for k, v in worker_kwargs.items() if k != "queue_maxsize"}
+                     temperature: float | None, loop_cls) -> dict[str, Any]:
+    """The rollout worker's loop kwargs for an eval pass over `dataset`, less those only a
+    subclass of the worker's loop takes (the rollout gate's shared-memory name)."""
+    accepted = set(inspect.signature(loop_cls.__init__).parameters)
+    kw = {k: v for k, v in worker_kwargs.items() if k in accepted and k != "queue_maxsize"}
     kw.update(dataset=dataset, num_generations=num_generations, dataset_start_index=0,
               log_completions=False)
     if temperature is not None:
@@ -162,7 +164,8 @@ def run_eval(worker_kwargs: dict[str, Any], rows: list[dict[str, Any]], *, versi
 
     loop_cls = loop_cls or _AsyncRolloutLoop
     kw = eval_loop_kwargs(worker_kwargs, Dataset.from_list(rows),
-                          num_generations=num_generations, temperature=temperature)
+                          num_generations=num_generations, temperature=temperature,
+                          loop_cls=loop_cls)
     failed = type("_Flag", (), {"set": lambda self: None, "is_set": lambda self: False})()
     loop_obj = loop_cls(**kw, rollout_buffer=queue.Queue(), model_version_value=_Version(version),
                         heartbeat_value=_Version(0), failed_event=failed,

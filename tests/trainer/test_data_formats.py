@@ -244,7 +244,7 @@ def test_the_gsm8k_recipe_of_the_guide_reads_gsm8k_rows(tmp_path):
 
     doc = (REPO / "docs" / "tasks.md").read_text()
     section = doc[doc.index("### Question/answer data"):]
-    spec = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))["spec"]
+    spec = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1))["spec"]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(GSM8K),
                           "test": datasets.Dataset.from_list(GSM8K[:2])}).save_to_disk(
         str(tmp_path / "gsm8k"))

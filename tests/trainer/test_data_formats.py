@@ -67,6 +67,16 @@ def test_parquet_file_with_the_question_answer_mapping(tmp_path):
     assert ds[3]["answer"] == "72" and len(ds) % 3 == 0  # passes over the file, in order
 
 
+def test_the_first_rows_of_parquet_span_row_groups(tmp_path):
+    from asyncgrpo.trainer.data import read_rows
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"p{i}"} for i in range(10)]),
+                   tmp_path / "groups.parquet", row_group_size=3)
+    spec = run_with({"path": str(tmp_path / "groups.parquet")}).spec.data
+    rows, _ = read_rows(spec, limit=7)
+    assert [r["prompt"] for _, r in rows] == [f"p{i}" for i in range(7)]
+
+
 def test_a_parquet_file_under_another_name_needs_format(tmp_path):
     p = write_parquet(tmp_path / "train.bin", GSM8K)
     with pytest.raises(DataError, match=r"not UTF-8 .* format: parquet"):

@@ -90,10 +90,12 @@ def read_parquet(data: bytes | str | Path, source: str,
         if limit is None:
             rows = f.read().to_pylist()
         else:
-            rows = []
+            rows = []  # batches stop at row-group ends: gather until there are enough
             for batch in f.iter_batches(batch_size=limit):
-                rows = batch.to_pylist()[:limit]
-                break
+                rows.extend(batch.to_pylist())
+                if len(rows) >= limit:
+                    break
+            rows = rows[:limit]
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
         raise DataError(f"{source}: not a Parquet file ({type(e).__name__}: {e})") from None
     return list(enumerate(rows, start=1))

@@ -21,6 +21,7 @@ rows (TRL's generate loop cycles its data forever); its reset/tool wiring mirror
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
@@ -46,7 +47,10 @@ def eval_loop_kwargs(worker_kwargs: dict[str, Any], dataset, *, num_generations:
     accepted = set(inspect.signature(loop_cls.__init__).parameters)
     kw = {k: v for k, v in worker_kwargs.items() if k in accepted and k != "queue_maxsize"}
     kw.update(dataset=dataset, num_generations=num_generations, dataset_start_index=0,
-              log_completions=False)
+              log_completions=False,
+              # the loop sets TRL's response schema on its tokenizer in place: a copy keeps
+              # the trainer's own (saved into checkpoints and final/) as it was
+              processing_class=copy.deepcopy(worker_kwargs["processing_class"]))
     if temperature is not None:
         kw["temperature"] = temperature
     return kw

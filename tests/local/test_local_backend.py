@@ -207,7 +207,7 @@ def _assert_the_loggers_recorded_every_step(pod: Path, steps: int, evals=()):
         assert [e.step for e in acc.Scalars(tag)] == list(range(1, steps + 1)), tag
     if evals:  # the eval reward, as the Trainer logs eval metrics (eval/<name>)
         assert [e.step for e in acc.Scalars("eval/reward")] == evals, acc.Tags()["scalars"]
-        assert [log["step"] for log in logs if "eval/reward" in log] == evals
+        assert [log["train/global_step"] for log in logs if "eval/reward" in log] == evals
 
 
 @pytest.mark.slow

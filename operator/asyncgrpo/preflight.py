@@ -37,8 +37,6 @@ from asyncgrpo.api.validation import FieldError
 
 #: Rows of the data source that are parsed (and whose columns reward signatures must take).
 PREVIEW_ROWS = 16
-#: Bytes read from the start of a data file to get those rows.
-PREVIEW_BYTES = 1 << 20
 #: Keyword arguments TRL's rollout worker passes every reward function besides the columns.
 REWARD_KWARGS = ("prompts", "completion_ids")
 _TRUE = {"1", "true", "yes", "on"}
@@ -130,15 +128,29 @@ def check_tokenizer(run) -> Iterator[FieldError | str]:
         yield FieldError(at, f"the tokenizer cannot be loaded: {type(e).__name__}: "
                          f"{str(e).splitlines()[0][:300]}")
         return
+    from asyncgrpo.trainer.data import DataError, apply_chat_template
+
+    m = run.spec.model
+    try:
+        apply_chat_template(tok, m)
+    except DataError:
+        return  # check_chat_template reports it
+    if m.chat_template is not None or m.chat_template_path is not None:
+        at = "spec.model.chatTemplate" if m.chat_template else "spec.model.chatTemplatePath"
     if not getattr(tok, "chat_template", None):
         yield FieldError(at, "the tokenizer has no chat template (tokenizer_config.json "
-                         "chat_template): prompts are chat messages")
+                         "chat_template) and the run gives none: prompts are chat messages; "
+                         "set spec.model.chatTemplate or chatTemplatePath")
         return
+    turns = [{"role": "user", "content": "ping"}]
+    if run.spec.data.system_prompt is not None:
+        turns = [{"role": "system", "content": run.spec.data.system_prompt}, *turns]
     try:
-        tok.apply_chat_template([{"role": "user", "content": "ping"}], tokenize=False,
-                                add_generation_prompt=True)
+        tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001
-        yield FieldError(at, f"the tokenizer's chat template fails on a user turn: {e}")
+        what = "a system and a user turn" if len(turns) > 1 else "a user turn"
+        yield FieldError(at, f"the chat template fails on {what}: {type(e).__name__}: "
+                         f"{str(e)[:300]}")
         return
     if getattr(tok, "response_template", None) is None and getattr(
             tok, "response_schema", None) is None:
@@ -165,90 +177,75 @@ def check_tokenizer(run) -> Iterator[FieldError | str]:
                                  "template; this one is not and TRL has no training variant")
 
 
-def _preview_text(path: Path) -> str:
-    """The first PREVIEW_ROWS complete lines of a JSON Lines file."""
-    with open(path, "rb") as f:
-        head = f.read(PREVIEW_BYTES)
-    lines = head.decode("utf-8", errors="replace").splitlines(keepends=True)
-    if len(head) == PREVIEW_BYTES and lines and not lines[-1].endswith("\n"):
-        lines = lines[:-1]  # cut mid-line
-    return "".join(lines[:PREVIEW_ROWS])
+_SOURCE_KEYS = {"path": "path", "config_map": "configMap", "bucket_path": "bucketPath"}
 
 
-def _table_rows(path: Path) -> list[dict[str, Any]]:
-    """First rows of a Parquet file or a `datasets.save_to_disk` folder (if the trainer's
-    data loader reads them: formats beyond JSON Lines are read through `datasets`)."""
-    import datasets
+def _source_field(src) -> str:
+    return next((v for k, v in _SOURCE_KEYS.items() if getattr(src, k) is not None), "")
 
-    if path.is_dir():
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
-    else:
-        ds = datasets.Dataset.from_parquet(str(path))
-    return [dict(r) for r in ds.select(range(min(PREVIEW_ROWS, len(ds))))]
+
+def _check_rows(run, bucket, *, eval_set: bool) -> tuple[list[FieldError | str],
+                                                          list[dict[str, Any]]]:
+    """(problems, first rows as the trainer makes them) of the training or the eval set."""
+    from asyncgrpo.storage import StoreError
+    from asyncgrpo.trainer.data import DataError, eval_source, prepare_rows, read_rows
+
+    data = run.spec.data
+    src, own = eval_source(data) if eval_set else (data, False)
+    base = "spec.data.eval" if own else "spec.data"
+    at = f"{base}.{_source_field(src)}"
+    if src.config_map is not None and not Path(os.environ.get(wire.DATA_DIR_ENV)
+                                               or wire.DATA_DIR).is_dir():
+        # a ConfigMap is mounted into the trainer pod; only the pod can read it
+        return [(f"{at}: not checked (read where the ConfigMap is mounted: the cluster "
+                "preflight)")], []
+    if src.bucket_path is not None and bucket is None:
+        return [f"{at}: not checked (the bucket is not reachable from here)"], []
+    try:
+        raw, source = read_rows(src, bucket, eval_set=own, limit=PREVIEW_ROWS)
+    except DataError as e:
+        where = f"{'spec.data.eval' if eval_set else 'spec.data'}.{e.field}" if e.field else at
+        return [FieldError(where, str(e))], []
+    except StoreError as e:
+        return [f"{at}: not checked ({e})"], []
+    try:
+        rows = prepare_rows(raw, data, source)
+    except DataError as e:
+        return [FieldError(f"spec.data.{e.field}" if e.field else at, str(e))], []
+    out: list[FieldError | str] = []
+    for name, col in data.columns.items():
+        if col.pattern is None:
+            continue
+        misses = sum(r.get(name) is None for r in rows)
+        if misses == len(rows):
+            out.append(FieldError(f"spec.data.columns.{name}.pattern", f"matches none of the "
+                                  f"first {len(rows)} rows of {source} (field {col.field!r})"))
+        elif misses:
+            out.append(f"spec.data.columns.{name}.pattern: no match in {misses} of the first "
+                       f"{len(rows)} rows of {source} (those rows get null)")
+    return out, rows
 
 
 def check_data(run, bucket=None) -> tuple[list[FieldError | str], list[dict[str, Any]]]:
-    """(problems, first rows as the trainer parses them): the source exists, its first rows
-    parse, each has the prompt field. `bucket`: a `storage.Bucket` of the whole bucket when
-    one is reachable, for `bucketPath`."""
-    from asyncgrpo.trainer.data import DataError, parse_jsonl
+    """(problems, first rows as the trainer parses them): the source exists and is of its
+    format, its first rows parse, each has the prompt (promptField, messagesField or the
+    columns promptTemplate names) and the columns `columns` reads; the same for the eval
+    set. `bucket`: a `storage.Bucket` of the whole bucket when one is reachable."""
+    problems, rows = _check_rows(run, bucket, eval_set=False)
+    if run.spec.data.eval is not None:
+        more, _ = _check_rows(run, bucket, eval_set=True)
+        problems = [*problems, *more]
+    return problems, rows
 
-    spec = run.spec.data
-    out: list[FieldError | str] = []
-    field_name = spec.prompt_field
-    if spec.path:
-        at, p = "spec.data.path", Path(spec.path).expanduser()
-        if not p.exists():
-            return [FieldError(at, f"{spec.path}: no such file (relative paths resolve "
-                               f"from {Path.cwd()})")], []
-        if p.is_dir() or p.suffix == ".parquet":
-            try:
-                rows = _table_rows(p)
-            except Exception as e:  # noqa: BLE001
-                return [FieldError(at, f"{spec.path}: cannot be read as a data set: {e}")], []
-            if not rows:
-                return [FieldError(at, f"{spec.path}: no rows")], []
-            if field_name not in rows[0]:
-                return [FieldError("spec.data.promptField", f"{field_name!r} is not a column of "
-                                   f"{spec.path} (columns: {sorted(rows[0])})")], rows
-            return [], [dict(r, prompt=r.pop(field_name)) for r in rows]
-        text, source = _preview_text(p), spec.path
-    elif spec.bucket_path:
-        at = "spec.data.bucketPath"
-        if bucket is None:
-            return [f"{at}: not checked (the bucket is not reachable from here)"], []
-        from asyncgrpo.storage import StoreError
 
-        key = spec.bucket_path.lstrip("/")
-        try:
-            if not bucket.exists(key):
-                return [FieldError(at, f"{bucket.url(key)}: no such object")], []
-            body = bucket.client.get_object(Bucket=bucket.bucket, Key=key,
-                                            Range=f"bytes=0-{PREVIEW_BYTES - 1}")["Body"].read()
-        except StoreError as e:
-            return [f"{at}: not checked ({e})"], []
-        lines = body.decode("utf-8", errors="replace").splitlines(keepends=True)
-        if len(body) == PREVIEW_BYTES and lines and not lines[-1].endswith("\n"):
-            lines = lines[:-1]
-        text, source = "".join(lines[:PREVIEW_ROWS]), bucket.url(key)
-    else:  # a ConfigMap is mounted into the trainer pod; only the pod can read it
-        from asyncgrpo.trainer.data import read_source
+def check_chat_template(run) -> Iterator[FieldError]:
+    """spec.model.chatTemplatePath exists (the text is checked with the tokenizer)."""
+    from asyncgrpo.trainer.data import DataError, read_chat_template
 
-        at = "spec.data.configMap"
-        try:
-            text, source = read_source(spec)
-        except DataError:
-            return [(f"{at}: not checked (read where the ConfigMap is mounted: the cluster "
-                    "preflight)")], []
     try:
-        rows = parse_jsonl(text, field_name, source)
+        read_chat_template(run.spec.model)
     except DataError as e:
-        msg = str(e)
-        where = "spec.data.promptField" if f"no field {field_name!r}" in msg else at
-        return [FieldError(where, msg)], []
-    return out, rows
+        yield FieldError(f"spec.model.{e.field}", str(e))
 
 
 def _import(ref: str) -> Any:
@@ -364,7 +361,9 @@ def preflight(run, *, bucket=None, tokenizer: bool = True) -> PreflightReport:
     take(model_errors, "model")
     if tokenizer and not any(isinstance(e, FieldError) for e in model_errors):
         take(timed("tokenizer", lambda: list(check_tokenizer(run))), "tokenizer")
-    if bucket is None and run.spec.data.bucket_path:
+    take(check_chat_template(run), "chat template")
+    ev = run.spec.data.eval
+    if bucket is None and (run.spec.data.bucket_path or (ev is not None and ev.bucket_path)):
         bucket = _reachable_bucket(run, env)
     problems, rows = timed("data", lambda: check_data(run, bucket))
     take(problems, "data")

@@ -100,11 +100,11 @@ def _run(mutate=None):
     return parse_run(doc)
 
 
-def _errors(run, monkeypatch, root):
+def _errors(run, monkeypatch, root, tokenizer: bool = True):
     from asyncgrpo.preflight import preflight
 
     monkeypatch.chdir(root)
-    report = preflight(run)
+    report = preflight(run, tokenizer=tokenizer)
     return {e.path: e.message for e in report.errors}, report
 
 
@@ -194,3 +194,68 @@ def test_the_local_run_refuses_before_starting_anything(demo, monkeypatch, tmp_p
         backend.run_to_completion()
     print(f"local run refused in {time.monotonic() - t0:.1f} s")
     assert backend.started == [] and not (tmp_path / "work" / "s3.log").exists()
+
+
+def test_parquet_datasets_folders_messages_and_templates_are_checked_on_their_fields(
+        demo, monkeypatch, tmp_path):
+    """The data checks of the formats beyond JSON Lines, each error on the field to change:
+    real Parquet and save_to_disk folders, the eval split, the chat template file."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    qa = [{"question": f"{i}+1?", "answer": f"so\n#### {i + 1}"} for i in range(20)]
+    pq.write_table(pa.Table.from_pylist(qa), tmp_path / "qa.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(qa),
+                          "test": datasets.Dataset.from_list(qa[:3])}).save_to_disk(
+        str(tmp_path / "qa-dd"))
+
+    def data(**d):
+        return lambda s: s.update(data=d)
+
+    errors, _ = _errors(_run(data(path=str(tmp_path / "qa.parquet"))), monkeypatch, demo,
+                        tokenizer=False)
+    assert "no field 'prompt' (columns: answer, question)" in errors["spec.data.promptField"]
+
+    good = {"promptTemplate": "{question}", "systemPrompt": "Be brief.",
+            "columns": {"answer": {"field": "answer", "pattern": r"####\s*(\d+)"}}}
+    errors, _ = _errors(_run(data(path=str(tmp_path / "qa.parquet"), **good)),
+                             monkeypatch, demo, tokenizer=False)
+    assert errors == {}, errors
+    errors, _ = _errors(_run(data(path=str(tmp_path / "qa.parquet"), **{
+        **good, "columns": {"answer": {"field": "answer", "pattern": "ANSWER: (.*)"}}})),
+        monkeypatch, demo, tokenizer=False)
+    assert "matches none of the first 16 rows" in errors["spec.data.columns.answer.pattern"]
+
+    errors, _ = _errors(_run(data(path=str(tmp_path / "qa-dd"), **good,
+                                  eval={"split": "validation"})), monkeypatch, demo,
+                        tokenizer=False)
+    assert "no split 'validation' (splits: train, test)" in errors["spec.data.eval.split"]
+    errors, _ = _errors(_run(data(path=str(tmp_path / "qa-dd"), **good, eval={"split": "test"})),
+                        monkeypatch, demo, tokenizer=False)
+    assert errors == {}, errors
+    errors, _ = _errors(_run(data(path=str(tmp_path / "qa-dd"), **good,
+                                  eval={"path": str(tmp_path / "held-out.parquet")})),
+                        monkeypatch, demo, tokenizer=False)
+    assert "no such file or folder" in errors["spec.data.eval.path"]
+    errors, _ = _errors(_run(data(path=str(tmp_path / "qa.parquet"), split="test", **good)),
+                        monkeypatch, demo, tokenizer=False)
+    assert "only read for a datasets folder" in errors["spec.data.split"]
+
+    def template(path):
+        def mutate(spec):
+            _data_ok(spec)
+            spec["model"]["chatTemplatePath"] = path
+        return mutate
+
+    def _data_ok(spec):
+        spec["data"] = {"path": str(tmp_path / "qa.parquet"), **good}
+
+    errors, _ = _errors(_run(template(str(tmp_path / "chat.jinja"))), monkeypatch, demo,
+                        tokenizer=False)
+    assert "no such file" in errors["spec.model.chatTemplatePath"]
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}"
+                                         "{{ raise_exception('no system') if messages[0].role"
+                                         " == 'system' }}")
+    errors, _ = _errors(_run(template(str(tmp_path / "chat.jinja"))), monkeypatch, demo)
+    assert "fails on a system and a user turn" in errors["spec.model.chatTemplatePath"]

@@ -59,15 +59,34 @@ def _local_run(tmp_path: Path, mutate=None, env=None, max_steps: int = 3, exampl
 @pytest.mark.vllm
 def test_local_run_trains_and_stops_everything(tmp_path):
     """... and reports to TRL's offline loggers (trackio, tensorboard), which write under the
-    trainer pod's work directory and never reach for the network."""
+    trainer pod's work directory and never reach for the network. The prompts come from
+    Parquet (a `question` column) with a system prompt, and an eval split (Parquet too) is
+    scored after step 2 and after the last: its reward reaches both loggers and status."""
     import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncgrpo.local.demo import PROMPTS
 
     if vllm_python() is None:
         pytest.skip("vLLM venv missing: run hack/setup-vllm-venv.sh (make test does)")
+    pq.write_table(pa.Table.from_pylist([{"question": p} for p in PROMPTS]),
+                   tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist([{"question": p} for p in PROMPTS[-3:]]),
+                   tmp_path / "eval.parquet")
+
+    def mutate(d):
+        d["spec"]["trainer"].update(reportTo=["trackio", "tensorboard"])
+        d["spec"]["data"] = {"path": str(tmp_path / "train.parquet"), "promptField": "question",
+                             "systemPrompt": "Answer with digits only.",
+                             "eval": {"path": str(tmp_path / "eval.parquet"), "evalSteps": 2,
+                                      "numGenerations": 2}}
+
     t0 = time.monotonic()
-    result, s3_port = _local_run(tmp_path, mutate=lambda d: d["spec"]["trainer"].update(
-        reportTo=["trackio", "tensorboard"]))
-    print(f"local run of 3 steps with trackio and tensorboard: {time.monotonic() - t0:.0f} s")
+    result, s3_port = _local_run(tmp_path, mutate=mutate)
+    print(f"local run of 3 steps with trackio, tensorboard and 2 evals: "
+          f"{time.monotonic() - t0:.0f} s")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"starting a local S3 server on 127.0.0.1:{s3_port}" in result.stdout
     assert "run local-tiny finished: step 3, policy versions published: v1..v4" in result.stdout
@@ -96,7 +115,19 @@ def test_local_run_trains_and_stops_everything(tmp_path):
     vllm_log = (work / "local-tiny-vllm-0.log").read_text()
     assert "'host': '127." in vllm_log and "0.0.0.0" not in vllm_log
     assert "metrics on 127." in result.stdout
-    _assert_the_loggers_recorded_every_step(work / "local-tiny-trainer-0", steps=3)
+    _assert_the_loggers_recorded_every_step(work / "local-tiny-trainer-0", steps=3,
+                                            evals=[2, 3])
+    # the eval split: 3 rows x 2 completions after step 2 and after step 3, under the
+    # version rollouts used then, scored by the run's reward (digit_fraction, in [0, 1])
+    evals = status["evals"]
+    print("evals:", evals)
+    assert [e["step"] for e in evals] == [2, 3]
+    assert all(e["eval_rollouts"] == 6 and e["eval_scored_ratio"] == 1.0 for e in evals)
+    assert all(0.0 <= e["eval_reward"] <= 1.0 for e in evals)
+    assert "eval_rewards/digit_fraction" in evals[0]
+    assert evals[1]["eval_policy_version"] >= evals[0]["eval_policy_version"] >= 1
+    assert (f"eval reward (6 rollouts each): step 2 {evals[0]['eval_reward']:.3f}, "
+            f"step 3 {evals[1]['eval_reward']:.3f}") in result.stdout
 
 
 @pytest.mark.slow
@@ -148,7 +179,7 @@ def test_a_finished_run_leaves_its_result_on_disk_and_a_rerun_resumes(tmp_path):
     assert json.loads((final / "manifest.json").read_text())["step"] == 3
 
 
-def _assert_the_loggers_recorded_every_step(pod: Path, steps: int):
+def _assert_the_loggers_recorded_every_step(pod: Path, steps: int, evals=()):
     """The trainer pod's loggers (wire.LOGGER_DIR in its work emptyDir), read back with the
     loggers' own readers: trackio's SQLite storage and tensorboard's EventAccumulator."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -174,6 +205,9 @@ def _assert_the_loggers_recorded_every_step(pod: Path, steps: int):
     acc.Reload()
     for tag in ("train/loss", "train/reward"):
         assert [e.step for e in acc.Scalars(tag)] == list(range(1, steps + 1)), tag
+    if evals:  # the eval reward, as the Trainer logs eval metrics (eval/<name>)
+        assert [e.step for e in acc.Scalars("eval/reward")] == evals, acc.Tags()["scalars"]
+        assert [log["train/global_step"] for log in logs if "eval/reward" in log] == evals
 
 
 @pytest.mark.slow
@@ -343,6 +377,12 @@ def test_local_run_refuses_a_config_map_data_source(tmp_path):
     result, _ = _local_run(tmp_path, mutate=mutate)
     assert result.returncode == 1
     assert "spec.data.configMap" in result.stderr and "spec.data.path" in result.stderr
+
+    def eval_cm(doc):
+        doc["spec"]["data"]["eval"] = {"configMap": {"name": "held-out", "key": "e.jsonl"}}
+    result, _ = _local_run(tmp_path, mutate=eval_cm)
+    assert result.returncode == 1
+    assert "spec.data.eval.configMap" in result.stderr and "spec.data.eval.path" in result.stderr
 
 
 def test_local_run_refuses_a_loggers_secret(tmp_path):

@@ -136,18 +136,29 @@ def test_user_env_wins_and_credentials_come_from_the_secret():
 
 
 def test_a_configmap_data_source_is_mounted_where_the_trainer_reads_it():
-    from asyncgrpo.trainer.data import read_source
+    from asyncgrpo.trainer.data import read_rows
 
     run = run_of("moe-expert-parallel.yaml")
     pod = trainer.build_statefulset(run)["spec"]["template"]["spec"]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data")
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     with pytest.raises(ValueError, match=f"mounted at {mount['mountPath']}/prompts.jsonl"):
-        read_source(run.spec.data, env=env)  # the path the trainer reads, with the pod's env
+        read_rows(run.spec.data, env=env)  # the path the trainer reads, with the pod's env
     assert mount["readOnly"] is True
     volume = next(v for v in pod["volumes"] if v["name"] == "data")
-    assert volume["configMap"] == {"name": "moe-prompts", "items": [
-        {"key": "prompts.jsonl", "path": "prompts.jsonl"}]}
+    assert volume["projected"]["sources"] == [{"configMap": {"name": "moe-prompts", "items": [
+        {"key": "prompts.jsonl", "path": "prompts.jsonl"}]}}]
+
+    # an eval set in another ConfigMap shares the mount, under eval/
+    doc = run.model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc["spec"]["data"]["eval"] = {"configMap": {"name": "held-out", "key": "test.parquet"}}
+    with_eval = parse_run(doc)
+    pod = trainer.build_statefulset(with_eval)["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "data")
+    assert volume["projected"]["sources"][1] == {"configMap": {"name": "held-out", "items": [
+        {"key": "test.parquet", "path": "eval/test.parquet"}]}}
+    with pytest.raises(ValueError, match=f"mounted at {mount['mountPath']}/eval/test.parquet"):
+        read_rows(with_eval.spec.data.eval, env=env, eval_set=True)
     plain = trainer.build_statefulset(run_of("lora-math.yaml"))["spec"]["template"]["spec"]
     assert all(v["name"] != "data" for v in plain["volumes"])
 

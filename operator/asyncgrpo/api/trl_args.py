@@ -55,6 +55,7 @@ OWNED: dict[str, str] = {
     "push_to_hub": "the operator (results go to the bucket)",
     "hub_token": "the operator (no tokens in the run file: use trainer.reportToSecret)",
     "resume_from_checkpoint": "the operator (resumes from the bucket)",
+    "eval_strategy": "spec.data.eval", "eval_steps": "spec.data.eval.evalSteps",
 }
 
 _KIND_OF = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",

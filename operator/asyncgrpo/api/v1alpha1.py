@@ -274,6 +274,14 @@ class ModelSpec(Model):
     cache: ModelCacheSpec | None = Field(
         default=None, description="A volume (a PVC) holding the Hugging Face cache of the "
         "trainer and vLLM pods; unset: an emptyDir, so each pod downloads the model.")
+    chat_template: str | None = Field(
+        default=None, min_length=1, max_length=262144,
+        description="A Jinja chat template used instead of the tokenizer's (prompts are "
+        "rendered by the trainer; vLLM receives token ids).")
+    chat_template_path: str | None = Field(
+        default=None, min_length=1,
+        description="A file holding the chat template (in the trainer image, on a mounted "
+        "volume, or locally); instead of chatTemplate.")
 
 
 # ---------------------------------------------------------------- trainer
@@ -538,19 +546,86 @@ class ConfigMapKeyRef(Model):
     key: str = Field(default="prompts.jsonl", min_length=1, description="Key holding the data.")
 
 
-class DataSpec(Model):
-    """Prompt data set: JSON Lines, one prompt per line. Give exactly one source."""
+#: How a data source is read; auto: a folder is a `datasets` folder, *.parquet / *.pq
+#: Parquet, anything else JSON Lines.
+DATA_FORMATS = ("auto", "jsonl", "parquet", "datasets")
+
+
+class DataSource(Model):
+    """Where rows come from and how they are stored. Give exactly one source."""
 
     bucket_path: str | None = Field(
-        default=None, min_length=1, description="Object key in the adapter store's bucket."
-    )
-    config_map: ConfigMapKeyRef | None = Field(default=None, description="A ConfigMap key.")
+        default=None, min_length=1,
+        description="Object key in the adapter store's bucket (a file; for a datasets "
+        "folder, the key prefix of the folder).")
+    config_map: ConfigMapKeyRef | None = Field(
+        default=None, description="A ConfigMap key (small data; Parquet as binaryData).")
     path: str | None = Field(
-        default=None, min_length=1, description="A path inside the trainer image (or locally)."
-    )
+        default=None, min_length=1,
+        description="A path inside the trainer image, on a volume mounted through "
+        "spec.pod / spec.trainer.pod, or locally: a file, or a datasets save_to_disk folder.")
+    format: Literal[DATA_FORMATS] = Field(
+        default="auto",
+        description="jsonl, parquet, or datasets (a datasets save_to_disk folder); auto: a "
+        "folder is datasets, *.parquet / *.pq Parquet, anything else JSON Lines.")
+    split: str | None = Field(
+        default=None, min_length=1,
+        description="Split of a datasets folder holding a DatasetDict (default train).")
+
+
+class ColumnFrom(Model):
+    """A column of each row made from another column: copied, or the part a regex finds."""
+
+    field: str = Field(min_length=1, description="Column of the source row to read.")
+    pattern: str | None = Field(
+        default=None, min_length=1,
+        description="Regular expression searched in the value (as a string); the column is "
+        "its group 1 (or the whole match), stripped. No match: null (numeric_match and "
+        "exact_match then leave the row unscored).")
+
+
+class EvalDataSpec(DataSource):
+    """A held-out set scored every evalSteps steps; its rows are read like the training
+    rows (promptField, messagesField, promptTemplate, systemPrompt, columns). No source:
+    `split` of the training source (a datasets folder)."""
+
+    eval_steps: int = Field(default=10, ge=1,
+                            description="Score the eval set after every this many steps "
+                            "(and after the last).")
+    max_rows: int = Field(default=64, ge=1, le=100000,
+                          description="Rows scored each time (the first ones).")
+    num_generations: int = Field(default=1, ge=1, le=64,
+                                 description="Completions sampled per eval row.")
+    temperature: float | None = Field(
+        default=None, ge=0.0,
+        description="Sampling temperature of the eval; unset: rollout.sampling.temperature.")
+
+
+class DataSpec(DataSource):
+    """Prompt data set: JSON Lines, Parquet or a datasets folder; one prompt per row."""
+
     prompt_field: str = Field(default="prompt", min_length=1,
                               description="Field holding the prompt (string or chat messages).")
+    messages_field: str | None = Field(
+        default=None, min_length=1,
+        description="Instead of promptField: a column of chat messages (role, content); "
+        "trailing assistant turns are cut off the prompt, and the last one becomes the "
+        "answer column when the row has none.")
+    prompt_template: str | None = Field(
+        default=None, min_length=1, max_length=65536,
+        description="Instead of promptField: the user message, with {column} replaced by "
+        "the row's value ({{ and }} for literal braces), e.g. '{question} End with #### N.'")
+    system_prompt: str | None = Field(
+        default=None, min_length=1, max_length=65536,
+        description="A system message put before each prompt that has none of its own.")
+    columns: dict[str, ColumnFrom] = Field(
+        default_factory=dict, max_length=32,
+        description="Columns added to (or replaced in) each row, for the rewards: "
+        "{answer: {field: answer, pattern: '####\\s*(.+)'}}.")
     shuffle: bool = Field(default=True, description="Shuffle prompts each epoch (seeded).")
+    eval: EvalDataSpec | None = Field(
+        default=None, description="Held-out rows scored every eval.evalSteps steps; the "
+        "reward is logged (asyncgrpo_trainer_eval_reward_mean, TRL's loggers as eval_reward).")
 
 
 class RewardFunction(Model):

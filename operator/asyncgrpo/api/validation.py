@@ -185,11 +185,7 @@ def _model_and_parallelism(run: AsyncGRPORun) -> Iterator[FieldError]:
 
 def _data_and_rewards(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
     """One prompt source; reward functions with the arguments they read."""
-    sources = [k for k in ("bucket_path", "config_map", "path") if getattr(s.data, k) is not None]
-    if len(sources) != 1:
-        yield FieldError(
-            "spec.data", "give exactly one of bucketPath, configMap, path "
-            f"(got {len(sources) or 'none'})")
+    yield from _data(s)
 
     for i, fn in enumerate(s.reward.functions):
         at = f"spec.reward.functions[{i}]"
@@ -214,6 +210,66 @@ def _data_and_rewards(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
                 re.compile(str(fn.args["pattern"]))
             except re.error as e:
                 yield FieldError(f"{at}.args.pattern", f"not a valid regular expression: {e}")
+
+
+_SOURCES = ("bucket_path", "config_map", "path")
+
+
+def _source_errors(d, at: str, *, eval_set: bool = False) -> Iterator[FieldError]:
+    sources = [k for k in _SOURCES if getattr(d, k) is not None]
+    if len(sources) > 1 or (not sources and not eval_set):
+        yield FieldError(at, "give exactly one of bucketPath, configMap, path "
+                         f"(got {len(sources) or 'none'})")
+    if d.config_map is not None and d.format == "datasets":
+        yield FieldError(f"{at}.format", "a ConfigMap key is one file: give a datasets "
+                         "folder as path or bucketPath (or the data as jsonl / parquet)")
+
+
+def _data(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
+    """One source per data set; one way to make the prompt; patterns and templates parse."""
+    from string import Formatter
+
+    d = s.data
+    yield from _source_errors(d, "spec.data")
+    ways = [f for f, v in (("messagesField", d.messages_field),
+                           ("promptTemplate", d.prompt_template)) if v is not None]
+    if len(ways) > 1 or (ways and d.prompt_field != "prompt"):
+        yield FieldError(f"spec.data.{ways[-1]}", "give one of promptField, messagesField, "
+                         "promptTemplate")
+    if d.prompt_template is not None:
+        try:
+            names = [f for _, f, _, _ in Formatter().parse(d.prompt_template) if f is not None]
+        except ValueError as e:
+            yield FieldError("spec.data.promptTemplate", f"not a valid template ({e}); write "
+                             "{{ and }} for literal braces")
+        else:
+            if not names:
+                yield FieldError("spec.data.promptTemplate", "names no {column}: every "
+                                 "prompt would be the same")
+            bad = [n for n in names if not n.isidentifier()]
+            if bad:
+                yield FieldError("spec.data.promptTemplate", f"{{{bad[0]}}}: only plain "
+                                 "column names, as {question}")
+    for name, col in d.columns.items():
+        if col.pattern is not None:
+            try:
+                re.compile(col.pattern)
+            except re.error as e:
+                yield FieldError(f"spec.data.columns.{name}.pattern",
+                                 f"not a valid regular expression: {e}")
+        if name == "prompt":
+            yield FieldError(f"spec.data.columns.{name}", "prompt is made by promptField, "
+                             "messagesField or promptTemplate")
+    if d.eval is not None:
+        e = d.eval
+        yield from _source_errors(e, "spec.data.eval", eval_set=True)
+        if not any(getattr(e, k) is not None for k in _SOURCES) and e.split is None:
+            yield FieldError("spec.data.eval", "give a source (bucketPath, configMap, path) or "
+                             "the split of the training data set to score")
+    m = s.model
+    if m.chat_template is not None and m.chat_template_path is not None:
+        yield FieldError("spec.model.chatTemplatePath", "give one of chatTemplate, "
+                         "chatTemplatePath")
 
 
 def _trl_args(s: AsyncGRPORunSpec) -> Iterator[FieldError]:

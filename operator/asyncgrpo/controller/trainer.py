@@ -116,6 +116,26 @@ def build_service(run: AsyncGRPORun) -> dict[str, Any]:
     ], headless=True)
 
 
+def data_config_maps_volume(run: AsyncGRPORun) -> dict[str, Any] | None:
+    """The `data` volume when the training or eval data is a ConfigMap key: the trainer
+    reads <DATA_DIR>/<key> and <DATA_DIR>/eval/<key> (one projected volume, so two
+    ConfigMaps share the mount). A Parquet key lives in the ConfigMap's binaryData."""
+    from asyncgrpo.trainer.data import EVAL_SUBDIR
+
+    d = run.spec.data
+    sources = []
+    if d.config_map is not None:
+        sources.append({"configMap": {"name": d.config_map.name, "items": [
+            {"key": d.config_map.key, "path": d.config_map.key}]}})
+    if d.eval is not None and d.eval.config_map is not None:
+        cm = d.eval.config_map
+        sources.append({"configMap": {"name": cm.name, "items": [
+            {"key": cm.key, "path": f"{EVAL_SUBDIR}/{cm.key}"}]}})
+    if not sources:
+        return None
+    return {"name": "data", "projected": {"sources": sources}}
+
+
 def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[str, Any]:
     """`replicas` overrides the spec: 0 while suspended or while vLLM is not ready yet."""
     t = run.spec.trainer
@@ -135,12 +155,10 @@ def build_statefulset(run: AsyncGRPORun, replicas: int | None = None) -> dict[st
         tmp_volume("work"),
         tmp_volume("cache"),
     ]
-    data_cm = run.spec.data.config_map
-    if data_cm is not None:  # the trainer reads <DATA_DIR>/<key>
-        volume_mounts.append({"name": "data", "mountPath": DATA_DIR,
-                              "readOnly": True})
-        volumes.append({"name": "data", "configMap": {
-            "name": data_cm.name, "items": [{"key": data_cm.key, "path": data_cm.key}]}})
+    data_volume = data_config_maps_volume(run)
+    if data_volume is not None:
+        volume_mounts.append({"name": "data", "mountPath": DATA_DIR, "readOnly": True})
+        volumes.append(data_volume)
     container = {
         "name": "trainer",
         "image": t.image,

@@ -97,9 +97,10 @@ class LocalBackend:
                                 "endpoint (http://127.0.0.1:PORT starts a local S3 server)")
         if s.harness.tools and s.sandboxes is None:
             raise LocalRunError("spec.sandboxes: tools need sandboxes")
-        if s.data.config_map is not None:
-            raise LocalRunError("spec.data.configMap: a ConfigMap lives in a cluster; "
-                                "locally give the prompts as spec.data.path")
+        for at, d in (("spec.data", s.data), ("spec.data.eval", s.data.eval)):
+            if d is not None and d.config_map is not None:
+                raise LocalRunError(f"{at}.configMap: a ConfigMap lives in a cluster; "
+                                    f"locally give the rows as {at}.path")
         if s.trainer.report_to_secret is not None:
             raise LocalRunError("spec.trainer.reportToSecret: a Secret lives in a cluster; "
                                 "locally give the loggers' settings in spec.trainer.env")

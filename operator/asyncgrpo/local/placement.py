@@ -190,7 +190,9 @@ def _volumes(run: AsyncGRPORun, pod: Pod, workdir: Path) -> dict[str, str]:
 def host_paths(run: AsyncGRPORun) -> tuple[str, ...]:
     """The run's local files named by absolute path (model, prompts): the machine's, even
     under a mountPath such as /tmp."""
-    named = [run.spec.model.name, run.spec.data.path]
+    d = run.spec.data
+    named = [run.spec.model.name, d.path, d.eval.path if d.eval else None,
+             run.spec.model.chat_template_path]
     return tuple(p for p in named if p and os.path.isabs(p) and os.path.exists(p))
 
 

@@ -149,6 +149,11 @@ def summary(run_name: str, status: dict, records: list[dict], workdir: Path,
         k = max(1, min(5, len(rewards) // 2))
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         lines.append(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}")
+    evals = [e for e in status.get("evals", []) if e.get("eval_reward") is not None]
+    if evals:
+        shown_evals = ", ".join(f"step {e['step']} {e['eval_reward']:.3f}" for e in evals[-5:])
+        lines.append(f"eval reward ({int(evals[-1].get('eval_rollouts', 0))} rollouts each): "
+                     f"{shown_evals}")
     raw = _mean([r.get("raw_tokens_per_second") for r in records])
     unique = _mean([r.get("unique_tokens_per_second") for r in records])
     ratio = _mean([r.get("tree_compression_ratio") for r in records])

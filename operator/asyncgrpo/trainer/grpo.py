@@ -113,13 +113,17 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         (fault injection for tests and drills: exercises the refusal path for real).
       status_file: JSON written at each step end (rank 0), for the local backend and tests.
       samples_per_plan: samples the tree planner packs at once (one step's worth).
+      eval_rows / eval_steps / eval_generations / eval_temperature: the eval split
+        (trainer.evaluation), scored under the served policy every eval_steps steps.
     """
 
     def __init__(self, *args, samples_per_plan: int | None = None, store=None, served_prefix: str = wire.DEFAULT_NAME_PREFIX, metrics=None,
                  probe_ids=None, probe_tolerance: float = wire.DEFAULT_PROBE_TOLERANCE, checkpoints=None,
                  retention: int = 8, max_staleness: int = 0, retry_attempts: int = 8,
                  retry_backoff_s: float = 1.0, fault_corrupt_versions=(), status_file=None,
-                 weight_store=None, anchor_interval: int = 10, routing=None, **kwargs):
+                 weight_store=None, anchor_interval: int = 10, routing=None, eval_rows=None,
+                 eval_steps: int = 10, eval_generations: int = 1,
+                 eval_temperature: float | None = None, **kwargs):
         if not served_prefix.endswith("-v"):
             raise ValueError(f"served_prefix {served_prefix!r} must end in '-v'")
         self._served_lora_name = served_prefix[:-2]
@@ -141,6 +145,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         self.outputs: list[dict] = []  # the run's result once written (trainer.final)
         self.resumed_from_step: int | None = None
         self.history: list[dict] = []  # per logged step: reward, loss (rank 0; bounded)
+        self.evals: list[dict] = []  # per eval: step, eval_reward... (rank 0; bounded)
         self._weights = None
         if weight_store is not None:
             from asyncgrpo.trainer.weights import BucketWeightTransfer
@@ -162,6 +167,17 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
 
             hf_model = self.accelerator.unwrap_model(self.model)
             self._weights.to_checkpoint = lambda sd: revert_weight_conversion(hf_model, sd)
+        self._eval_rows = eval_rows
+        self._eval_generations = eval_generations
+        self._eval_temperature = eval_temperature
+        if eval_rows:
+            # The transformers Trainer's own schedule (evaluate after every eval_steps steps
+            # and after the last). Set after TRL's __init__, which passes no eval_dataset to
+            # the Trainer, whose __init__ refuses an eval strategy without one.
+            from transformers.trainer_utils import IntervalStrategy
+
+            self.args.eval_strategy = IntervalStrategy.STEPS
+            self.args.eval_steps = eval_steps
         self._gate = None
         if isinstance(self.rollout_worker, AsyncRolloutWorker):
             if self._weights is not None:  # replicas swap on their own: ask vLLM what sampled
@@ -399,12 +415,46 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             if self._gate is not None:
                 self._gate.close()
 
+    # -- eval ----------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """The eval split's reward under the served policy (trainer.evaluation), logged as
+        `eval_reward`, `eval_reward_std`, `eval_rewards/<name>`. Every rank calls this (the
+        Trainer's schedule); rank 0 rolls out, the others wait for its numbers."""
+        from accelerate.utils import broadcast_object_list
+
+        from asyncgrpo.trainer.evaluation import run_eval
+
+        summary = {}
+        if self.accelerator.is_main_process and self._eval_rows and self.rollout_worker:
+            summary = run_eval(self.rollout_worker._loop_kwargs, self._eval_rows,
+                               version=self.served_version,
+                               num_generations=self._eval_generations,
+                               temperature=self._eval_temperature,
+                               concurrency=int(self.args.max_inflight_tasks or 16))
+        summary = broadcast_object_list([summary], from_process=0)[0]
+        summary["policy_version"] = float(self.served_version)
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in summary.items()}
+        was_training = self.model.training
+        self.model.eval()  # TRL's log() reads the mode: eval metrics, not the train window
+        try:
+            self.log(metrics)
+        finally:
+            self.model.train(was_training)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
+                                                         metrics)
+        return metrics
+
     # -- metrics, status -----------------------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         super().log(logs, start_time)
         if not self.accelerator.is_main_process:
             return
+        if "eval_reward" in logs:
+            self.evals.append({"step": int(self.state.global_step),
+                               **{k: logs[k] for k in logs if k.startswith("eval_")}})
+            del self.evals[:-1000]
         if "reward" in logs:
             self.history.append({k: logs.get(k) for k in ("reward", "reward_std", "loss",
                                                           "perf/step_s")}
@@ -414,6 +464,8 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         if m is not None:
             m.update_from_logs(logs)
             m.set("step", self.state.global_step)
+            if "eval_reward" in logs:
+                m.set("eval_step", self.state.global_step)
             if self.rollout_queue is not None:
                 try:
                     m.set("rollout_queue_depth", self.rollout_queue.qsize())
@@ -433,6 +485,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
             "outputs": self.outputs,
             "sample_versions": {str(v): n for v, n in sorted(self.trained_sample_versions.items())},
             "history": self.history,
+            "evals": self.evals,
             "conditions": self._metrics_sink.status()["conditions"] if self._metrics_sink else [],
         }
         tmp = self._status_file.with_suffix(".tmp")

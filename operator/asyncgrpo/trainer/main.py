@@ -272,13 +272,13 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
     from transformers import AutoTokenizer
 
     from asyncgrpo.adapters.probe import probe_token_ids
-    from asyncgrpo.trainer.data import load_dataset
+    from asyncgrpo.trainer.data import apply_chat_template, load_dataset, load_eval_rows
     from asyncgrpo.trainer.distributed import distributed_config
     from asyncgrpo.trainer.grpo import S3AdapterGRPOTrainer
     from asyncgrpo.trainer.rewards import build_rewards
 
     spec = run.spec
-    tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
+    tokenizer = apply_chat_template(AutoTokenizer.from_pretrained(spec.model.name), spec.model)
     args = trl_config(run, env, use_cpu=not cuda)
     dist_cfg = distributed_config(world_size, spec.trainer.fsdp_size,
                                   spec.trainer.expert_parallel_size, spec.model.moe)
@@ -288,11 +288,16 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
     if env_factory is not None:
         args.max_tool_calling_iterations = spec.harness.max_turns
     lora = spec.model.finetuning == "lora"
+    ev = spec.data.eval
+    eval_kw = {} if ev is None else {
+        "eval_rows": load_eval_rows(run, bucket=data_bucket, workdir=env.work_dir),
+        "eval_steps": ev.eval_steps, "eval_generations": ev.num_generations,
+        "eval_temperature": ev.temperature}
     return S3AdapterGRPOTrainer(
         model=spec.model.name,
         reward_funcs=build_rewards(spec.reward),
         args=args,
-        train_dataset=load_dataset(run, bucket=data_bucket),
+        train_dataset=load_dataset(run, bucket=data_bucket, workdir=env.work_dir),
         processing_class=tokenizer,
         peft_config=lora_config(spec) if lora else None,
         environment_factory=env_factory,
@@ -312,6 +317,7 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
         weight_store=None if lora else _weight_store(store),
         anchor_interval=spec.model.full.anchor_interval,
         routing=env.routing,
+        **eval_kw,
     )
 
 

@@ -67,6 +67,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "counter", "Probes vLLM did not answer (adapter refused or unreachable).", ()),
     "reward_mean": ("gauge", "Mean reward of the samples of the last step.", ()),
     "reward_std": ("gauge", "Within-group reward standard deviation, last step.", ()),
+    "eval_reward_mean": ("gauge", "Mean reward of the eval split's rollouts, last eval.", ()),
+    "eval_reward_std": ("gauge", "Standard deviation of the eval rollouts' rewards, last eval.",
+                        ()),
+    "eval_step": ("gauge", "Step of the last eval.", ()),
     "rollout_queue_depth": ("gauge", "Scored samples waiting for the trainer.", ()),
     "retries_total": (
         "counter", "Calls retried because a dependency was unreachable.", ("target",)),
@@ -241,6 +245,10 @@ class TrainerMetrics:
             self.set("reward_mean", v)
         if (v := get("reward_std")) is not None:
             self.set("reward_std", v)
+        if (v := get("eval_reward")) is not None:
+            self.set("eval_reward_mean", v)
+            if (w := get("eval_reward_std")) is not None:
+                self.set("eval_reward_std", w)
         if (v := get("sample/staleness_mean")) is not None:
             self.set("sample_staleness_steps", v)
         if (v := get("sample/staleness_max")) is not None:

@@ -137,6 +137,44 @@ def test_assembled_weights_equal_the_full_state_at_every_version(published, s3_s
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_serves_the_assembled_sharded_version(published, s3_server, s3_env, tmp_path):
+    """The real puller swaps a sharded version (anchor v4 + delta v5 of two ranks) into a real
+    vLLM CPU server, which then serves transformers' log-probs of the full state. Runs before
+    the corruption test below, which breaks this run's v4 and v5."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncgrpo.adapters.probe import (
+        probe_token_ids,
+        served_prompt_logprobs,
+        trained_prompt_logprobs,
+    )
+    from asyncgrpo.local.vllm import vllm_python, vllm_venv
+    from tests.weights.test_puller_vllm import start_full_ft_vllm
+
+    if vllm_python() is None:
+        pytest.skip(f"vLLM venv missing at {vllm_venv()}")
+    out, bucket, _ranks = published
+    store = _store(s3_server, bucket, "sharded-dense")
+    ckpt = out / "tiny-dense"
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model.load_state_dict(load_file(out / f"expected-dense-v{VERSIONS}.safetensors"), strict=True)
+    ids = probe_token_ids(AutoTokenizer.from_pretrained(ckpt))
+    trained = trained_prompt_logprobs(model.eval(), ids)
+    server = start_full_ft_vllm(ckpt, tmp_path / "vllm.log")
+    try:
+        puller = Puller(store, VLLMControl(server.base_url), tmp_path / "pod", poll_s=0.1)
+        assert puller.round()
+        st = puller.status()
+        assert st["ready"] and st["served_version"] == VERSIONS and not st["refused"], st
+        served = served_prompt_logprobs(server.base_url, VLLMControl(server.base_url).served_model(),
+                                        ids)
+        assert max(abs(a - b) for a, b in zip(served, trained)) <= 1e-5
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
 def test_a_corrupt_or_missing_shard_gets_the_version_refused(published, s3_server, s3_env, tmp_path):
     out, bucket, _ranks = published
     store = _store(s3_server, bucket, "sharded-dense")

@@ -11,13 +11,21 @@ step moves a weight by about lr, and bf16 keeps 8 bits of mantissa). Step end ->
 serving vN comes from the end-to-end test's records (tests/trainer/test_full_ft_vllm.py,
 ``--e2e FILE``).
 
-    .venv/bin/python bench/weights_bench.py [--steps 8] [--e2e full_ft_e2e.json] [--json out]
+Sharded vs gathered (``--sharded-steps``, 0 to skip): two real gloo ranks (torchrun) train a
+small Qwen3 (dense: FSDP 2; MoE: FSDP 2 + expert parallel 2) and publish every version twice
+on the same weights, by every rank's ShardedWeightTransfer and by today's gather to rank 0
+(bench/weights_shard_worker.py): bytes per version and per rank, publish time per rank, peak
+RSS above the RSS before the call, and the base each process keeps for the next delta. Then
+the arithmetic for Qwen3-30B-A3B on 64 ranks and 64 replicas from the measured delta density.
+
+    .venv/bin/python bench/weights_bench.py [--steps 8] [--sharded-steps 4] [--e2e full_ft_e2e.json] [--json out]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -31,6 +39,14 @@ sys.path.insert(0, str(REPO / "operator"))
 BIG_PARAMS = 30.5e9
 NCCL_FULL_S, NCCL_DELTA_S = 32.0, 7.0  # verl, H100s (full sync vs delta sync)
 LINKS_GBPS = (10, 100)
+#: The sharded-vs-gathered model: big enough that a full copy shows in RSS (~21M parameters).
+SHARD_SHAPE = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
+               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+               "head_dim": 64}
+MOE_SHAPE = dict(SHARD_SHAPE, moe_intermediate_size=384, num_experts=8)
+RANKS, REPLICAS, GPUS_PER_NODE, NODE_GBPS = 64, 64, 8, 100
+PART_BYTES = 64 * 2**20  # ranged-GET / multipart part size assumed below
+PER_CONN_BPS = 80e6  # bytes/s of one S3 connection (an assumption, typical of S3 per stream)
 
 
 def train_and_publish(lr: float, steps: int, anchor_every: int, s3, workdir: Path) -> list[dict]:
@@ -64,6 +80,90 @@ def train_and_publish(lr: float, steps: int, anchor_every: int, s3, workdir: Pat
     return pub.published
 
 
+def sharded_vs_gathered(kind: str, steps: int, lr: float, s3, workdir: Path) -> list[dict]:
+    """Both publishers, two ranks, same weights; the workers' rows (one per rank and version)."""
+    import subprocess
+
+    from asyncgrpo.testing.net import free_port
+    from asyncgrpo.trainer.tiny import save_tiny_model
+
+    shape = MOE_SHAPE if kind == "moe" else SHARD_SHAPE
+    save_tiny_model(workdir / f"model-{kind}", kind=kind, seed=0, **shape)
+    bucket = f"shard-bench-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=bucket)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    import os
+
+    env = {**os.environ, **s3.env(),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(REPO / "bench" / "weights_shard_worker.py"), str(workdir), s3.endpoint, bucket, kind,
+         str(steps), str(lr)], capture_output=True, text=True, env=env, check=False)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return [r for rank in (0, 1)
+            for r in json.loads((workdir / f"{kind}-rank-{rank}.json").read_text())]
+
+
+def print_sharded(kind: str, rows: list[dict]) -> dict:
+    """The side-by-side table of one model; returns its summary."""
+    mb = 1e6
+    print(f"\n{kind}: sharded (every rank its own shard) vs gathered (rank 0), 2 gloo ranks, bf16")
+    print(f"{'v':>2} {'kind':>6} {'bytes sharded (r0+r1)':>24} {'bytes gathered (r0)':>20} "
+          f"{'publish s sharded r0/r1':>24} {'gathered r0/r1':>15} "
+          f"{'peak RSS+ MB sh r0/r1':>22} {'gath r0/r1':>12} {'base MB sh r0/r1':>17} "
+          f"{'gath r0/r1':>11}")
+    by_v: dict = {}
+    for r in rows:
+        by_v.setdefault(r["version"], {})[r["rank"]] = r
+    for v in sorted(by_v):
+        a, b = by_v[v][0], by_v[v][1]
+        sa, sb, ga, gb = a["sharded"], b["sharded"], a["gathered"], b["gathered"]
+        print(f"{v:>2} {a['kind']:>6} {sa['bytes']:>10,} ({sa['rank_bytes']:,}+{sb['rank_bytes']:,})"
+              f" {ga['bytes']:>20,} {sa['seconds']:>12.3f}/{sb['seconds']:<11.3f}"
+              f" {ga['seconds']:>7.3f}/{gb['seconds']:<7.3f}"
+              f" {sa['peak_rss_above'] / mb:>11.1f}/{sb['peak_rss_above'] / mb:<10.1f}"
+              f" {ga['peak_rss_above'] / mb:>5.1f}/{gb['peak_rss_above'] / mb:<6.1f}"
+              f" {sa['base_bytes'] / mb:>8.1f}/{sb['base_bytes'] / mb:<8.1f}"
+              f" {ga['base_bytes'] / mb:>5.1f}/{gb['base_bytes'] / mb:<5.1f}")
+    deltas = [by_v[v][0]["sharded"] for v in by_v if by_v[v][0]["kind"] == "delta"]
+    fr = [d["changed"] / d["elements"] for d in deltas if d["changed"] is not None]
+    return {"rows": rows, "delta_density_median": statistics.median(fr) if fr else None,
+            "anchor_bytes": by_v[1][0]["sharded"]["bytes"],
+            "gathered_anchor_bytes": by_v[1][0]["gathered"]["bytes"]}
+
+
+def arithmetic_64(density: float) -> list[dict]:
+    """Qwen3-30B-A3B, 64 trainer ranks (8 per node), 64 replicas, 100 Gb/s per node."""
+    link = NODE_GBPS * 1e9 / 8  # bytes/s
+    anchor, delta = BIG_PARAMS * 2, BIG_PARAMS * density * 6
+    print(f"\nQwen3-30B-A3B ({BIG_PARAMS / 1e9:.1f}B, bf16) on {RANKS} ranks ({GPUS_PER_NODE} "
+          f"per node) and {REPLICAS} replicas, {NODE_GBPS} Gb/s per node, delta density "
+          f"{density:.2%} (measured above); upload then download, not overlapped")
+    print(f"{'':26} {'bytes':>9} {'per rank':>9} {'upload gathered':>16} {'upload sharded':>15} "
+          f"{'download':>9} {'total sharded':>14} {'GETs/version':>13} {'conns/replica':>14}")
+    out = []
+    for what, nbytes in (("delta", delta), ("anchor", anchor)):
+        up_gathered = nbytes / link  # rank 0's node carries every byte
+        up_sharded = nbytes / (RANKS / GPUS_PER_NODE) / link  # each node its 8 ranks' shards
+        down = nbytes / link  # every replica pulls the whole version (TP 1), all in parallel
+        gets = REPLICAS * max(RANKS, math.ceil(nbytes / PART_BYTES))  # >= one per rank file
+        conns = link / PER_CONN_BPS
+        row = {"what": what, "bytes": nbytes, "per_rank": nbytes / RANKS,
+               "upload_gathered_s": up_gathered, "upload_sharded_s": up_sharded,
+               "download_s": down, "total_sharded_s": up_sharded + down,
+               "total_gathered_s": up_gathered + down, "gets_per_version": gets,
+               "connections_per_replica": conns}
+        out.append(row)
+        print(f"{what:26} {nbytes / 1e9:>7.1f}GB {nbytes / RANKS / 1e9:>7.2f}GB "
+              f"{up_gathered:>15.2f}s {up_sharded:>14.3f}s {down:>8.2f}s "
+              f"{up_sharded + down:>13.2f}s {gets:>13,.0f} {conns:>14.0f}")
+    print(f"  rank 0 host memory for publication, gathered: {anchor / 1e9:.0f} GB (its base) "
+          f"+ one delta; sharded: {anchor / RANKS / 1e9:.2f} GB per rank + its delta share")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
@@ -71,6 +171,9 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-6,1e-5,1e-4")
     ap.add_argument("--e2e", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--sharded-steps", type=int, default=4)
+    ap.add_argument("--sharded-lr", type=float, default=1e-6)
+    ap.add_argument("--sharded-kinds", default="dense,moe")
     args = ap.parse_args()
 
     import os
@@ -85,6 +188,10 @@ def main() -> None:
             for lr in (float(x) for x in args.lrs.split(",")):
                 result["runs"][str(lr)] = train_and_publish(lr, args.steps, args.anchor_every,
                                                             s3, Path(tmp))
+            if args.sharded_steps:
+                for kind in args.sharded_kinds.split(","):
+                    result.setdefault("sharded", {})[kind] = sharded_vs_gathered(
+                        kind, args.sharded_steps, args.sharded_lr, s3, Path(tmp))
         finally:
             s3.stop()
 
@@ -137,6 +244,13 @@ def main() -> None:
         print(f"{name + f' ({nbytes / 1e9:.1f} GB)':28}" + "".join(f"{s:>13.1f}s" for s in secs))
     print(f"{'NCCL (verl, H100s)':28}  full sync {NCCL_FULL_S:.0f}s, delta sync {NCCL_DELTA_S:.0f}s")
     result["arithmetic_30b"] = table
+    if result.get("sharded"):
+        summaries = {k: print_sharded(k, rows) for k, rows in result["sharded"].items()}
+        result["sharded"] = summaries
+        density = next((s["delta_density_median"] for s in summaries.values()
+                        if s["delta_density_median"] is not None), None)
+        if density is not None:
+            result["arithmetic_64"] = arithmetic_64(density)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -98,6 +98,12 @@ def write_final(trainer, run, tokenizer) -> dict | None:
         weights = trainer._weights
         if weights is None or weights._prev is None or not weights.version:
             return None
+        if getattr(weights, "world", 1) > 1:
+            # a sharded publisher holds only its own shard: final/ from it would be partial
+            # (rebuilding it from the bucket's last version is not built yet)
+            log.warning("final/ not written: weights were published per rank; the last "
+                        "version v%d in the bucket is the result", weights.version)
+            return None
         manifest = write_final_full(
             weights.store, weights._prev, version=weights.version,
             step=weights.published[-1]["step"] if weights.published else trainer.state.global_step,

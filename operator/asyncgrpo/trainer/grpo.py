@@ -18,10 +18,11 @@ Version numbers never repeat: a resumed trainer continues after the newest compl
 version in the bucket, which may be newer than its checkpoint (versions published after
 the checkpoint were served under those names and are immutable).
 
-Full fine-tuning (`weight_store=`): TRL's `_sync_weight_merged` streams every parameter,
-gathered under FSDP2, into `asyncgrpo.trainer.weights.BucketWeightTransfer` (TRL's
-`weight_transfer=` protocol), which publishes `weights/v{N}` (anchor or sparse delta, manifest
-last) with the trained log-probs of the probe in the manifest. Each vLLM replica's puller
+Full fine-tuning (`weight_store=`): one process: TRL's `_sync_weight_merged` streams every
+parameter into `asyncgrpo.trainer.weights.BucketWeightTransfer` (TRL's `weight_transfer=`
+protocol), which publishes `weights/v{N}` (anchor or sparse delta, manifest last) with the
+trained log-probs of the probe in the manifest. Several ranks: every rank publishes its own
+FSDP2/expert shard of the version (`asyncgrpo.trainer.weights_sharded`), nothing is gathered. Each vLLM replica's puller
 swaps it in and checks the served log-probs against those. TRL's NCCL client is never built.
 Rollouts then ask vLLM which weights sampled them (asyncgrpo.trainer.served_versions): each
 replica swaps on its own schedule, so the trainer's own version is no measure of staleness.
@@ -55,6 +56,7 @@ from asyncgrpo.storage import retry
 from asyncgrpo.trainer.rollout_gate import RolloutGate
 from asyncgrpo.trainer.served_versions import ServedVersionRolloutLoop
 from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
+from asyncgrpo.trainer.weights_sharded import ShardedWeightTransfer
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +150,21 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         self.evals: list[dict] = []  # per eval: step, eval_reward... (rank 0; bounded)
         self._weights = None
         if weight_store is not None:
+            import torch.distributed as dist
+
             from asyncgrpo.trainer.weights import BucketWeightTransfer
+            from asyncgrpo.trainer.weights_sharded import gloo_group
 
             work = Path(kwargs["args"].output_dir) / "weights-staging"
-            self._weights = BucketWeightTransfer(
-                weight_store, work, anchor_interval=anchor_interval, retention=retention,
+            # several ranks: each publishes its own shard (no gather to rank 0)
+            sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            cls, where = BucketWeightTransfer, {}
+            if sharded:
+                cls = ShardedWeightTransfer
+                where = {"rank": dist.get_rank(), "world": dist.get_world_size(),
+                         "group": gloo_group()}
+            self._weights = cls(
+                weight_store, work, **where, anchor_interval=anchor_interval, retention=retention,
                 max_staleness=max_staleness, step_fn=lambda: int(self.state.global_step),
                 publish=lambda fn: retry("publish weights", fn, attempts=None,
                                          backoff_s=retry_backoff_s,
@@ -287,7 +299,10 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                     "token_ids": self._probe_ids, "logprobs": trained[0],
                     "next_logprob": trained[1]}}
             self.model_version = self._weights.version  # TRL adds one after the send
-        marks = super()._sync_weight_merged(t0)
+        if isinstance(self._weights, ShardedWeightTransfer):
+            marks = self._sync_weight_sharded(t0)
+        else:
+            marks = super()._sync_weight_merged(t0)
         if main:
             record = dict(self._weights.published[-1])
             self.published.append(record)
@@ -300,6 +315,24 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                 m.hint("AdapterStoreReachable", True, "Published", f"weights v{record['version']}")
             self._write_status()
         return marks
+
+    def _sync_weight_sharded(self, t0: float):
+        """TRL's merged sync with every rank publishing its own shard: TRL hands parameters to
+        rank 0's ``send_weights`` only (gathered); here every rank calls it with its local
+        DTensors (asyncgrpo.trainer.weights_sharded). Same phases and bookkeeping as TRL's."""
+        from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+        t_pause = time.time()  # replicas pause themselves: nothing to pause here
+        self.accelerator.wait_for_everyone()
+        t_barrier = time.time()
+        self._weights.send_weights(_iter_vllm_named_params(self.accelerator.unwrap_model(self.model)))
+        t_transfer = time.time()
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            self.model_version += 1
+            if self.rollout_worker:
+                self.rollout_worker.update_model_version(self.model_version)
+        return t_pause, t_barrier, t_transfer
 
     def _publish(self, version: int, adapter_dir: str, t0: float) -> None:
         step = int(self.state.global_step)

@@ -10,12 +10,11 @@ otherwise, manifest last. Each vLLM replica's puller (``asyncgrpo.weights.puller
 the manifests and swaps the weights in on its own: any number of replicas, no port between
 trainer and vLLM, NCCL nowhere.
 
-How ranks share the work: rank 0 publishes. TRL's ``_streaming_iter`` already gathers one
-parameter at a time under FSDP2 (``DTensor.full_tensor()``, every rank takes part) and hands
-the full tensor to rank 0's ``send_weights``; rank 0 diffs it against its CPU copy of the
-previous version and writes the files. Nothing is uploaded twice. The price is one full copy
-of the weights in rank 0's CPU memory (the base of the next delta) and rank 0's uplink
-carrying every byte; docs/weights.md has the arithmetic and when per-rank upload would pay.
+One process only: TRL hands this ``send_weights`` full tensors, and under FSDP2 it would
+gather every parameter to rank 0, which would keep a full CPU copy (the base of the next
+delta) and upload every byte. With several ranks the trainer uses
+``asyncgrpo.trainer.weights_sharded.ShardedWeightTransfer`` instead: every rank publishes its
+own shard. This class is also the benchmark's gather-to-rank-0 baseline (bench/weights_bench.py).
 
 ``pause``/``resume`` do nothing: replicas pause themselves, one at a time, only for the swap
 (``/pause?mode=keep`` -> ``reload_weights`` -> ``/resume``), so generation never stops for
@@ -43,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class BucketWeightTransfer:
-    """TRL's ``WeightTransferProtocol`` over the bucket (rank 0 only; see module docstring).
+    """TRL's ``WeightTransferProtocol`` over the bucket (one process; see module docstring).
 
     Arguments:
       store: the run's :class:`WeightStore`.

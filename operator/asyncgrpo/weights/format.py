@@ -173,19 +173,26 @@ def apply_delta(local_dir: Path, delta_path: Path) -> tuple[int, int]:
     Everything is checked before the first byte is written (names, index range, dtype width),
     so a delta that does not fit this copy raises :class:`DeltaMismatch` and changes nothing.
     """
+    return apply_deltas(local_dir, [delta_path])
+
+
+def apply_deltas(local_dir: Path, delta_paths: list[Path]) -> tuple[int, int]:
+    """:func:`apply_delta` for several files at once (one per trainer rank of a sharded
+    version): all of them are checked before any is written."""
     where = tensor_locations(local_dir)
     plan = []
-    for name, idx, bits in iter_delta(delta_path):
-        if name not in where:
-            raise DeltaMismatch(f"delta names {name!r}, which the local copy does not have")
-        path, offset, dtype, numel = where[name]
-        width = np.dtype(_BITS[dtype]).itemsize
-        if bits.dtype.itemsize != width:
-            raise DeltaMismatch(f"{name}: delta values are {bits.dtype.itemsize}-byte, the copy "
-                                f"holds {dtype}")
-        if idx.size and (idx.min() < 0 or idx.max() >= numel):
-            raise DeltaMismatch(f"{name}: index out of range for {numel} elements")
-        plan.append((path, offset, numel, idx, bits))
+    for delta_path in delta_paths:
+        for name, idx, bits in iter_delta(delta_path):
+            if name not in where:
+                raise DeltaMismatch(f"delta names {name!r}, which the local copy does not have")
+            path, offset, dtype, numel = where[name]
+            width = np.dtype(_BITS[dtype]).itemsize
+            if bits.dtype.itemsize != width:
+                raise DeltaMismatch(f"{name}: delta values are {bits.dtype.itemsize}-byte, the "
+                                    f"copy holds {dtype}")
+            if idx.size and (idx.min() < 0 or idx.max() >= numel):
+                raise DeltaMismatch(f"{name}: index out of range for {numel} elements")
+            plan.append((path, offset, numel, idx, bits))
     elements = 0
     by_file: dict[Path, list] = {}
     for item in plan:

@@ -46,7 +46,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from asyncgrpo.adapters.store import AdapterStoreError, StoreUnavailable
-from asyncgrpo.weights.format import DELTA_FILE, DeltaMismatch, apply_delta
+from asyncgrpo.weights.format import DELTA_FILE, DeltaMismatch, apply_deltas
+from asyncgrpo.weights.shards import assemble_anchor
 from asyncgrpo.weights.store import (
     ANCHOR,
     WeightsCorrupt,
@@ -214,6 +215,18 @@ class Puller:
     def _take_anchor(self, m: WeightsManifest) -> None:
         dest = self.incoming / f"v{m.version}"
         self.store.fetch(m.version, dest, manifest=m)  # verified before it appears
+        if m.sharded:  # one file per trainer rank: assemble the checkpoint layout beside it
+            built = self.incoming / f"v{m.version}.assembled"
+            shutil.rmtree(built, ignore_errors=True)
+            try:
+                assemble_anchor(dest, m.shards["tensors"], built)
+            except (DeltaMismatch, ValueError, KeyError, OSError) as err:
+                shutil.rmtree(built, ignore_errors=True)
+                raise WeightsCorrupt(f"v{m.version}: shards do not assemble: {err}") from None
+            finally:
+                shutil.rmtree(dest, ignore_errors=True)
+            (built / "manifest.json").write_text(m.to_json())
+            os.rename(built, dest)
         old = self.work_dir / "previous"
         shutil.rmtree(old, ignore_errors=True)
         if self.current.exists():
@@ -232,7 +245,8 @@ class Puller:
         self._write_state({"version": None, "applying": m.version})
         self.local_version = None
         try:
-            apply_delta(self.current, dest / DELTA_FILE)
+            files = sorted(m.files) if m.sharded else [DELTA_FILE]  # one per rank, or one
+            apply_deltas(self.current, [dest / f for f in files])
         except DeltaMismatch:
             # apply_delta checks everything before writing: the copy is still at base
             self._write_state({"version": m.base})

@@ -48,6 +48,11 @@ from asyncgrpo.adapters.store import (
 log = logging.getLogger(__name__)
 
 WEIGHTS_FORMAT = "asyncgrpo.weights/v1"
+#: Sharded versions (one object per trainer rank, ``shards`` in the manifest): a puller that
+#: knows only v1 refuses them by their format ("format is 'asyncgrpo.weights/v2', expected
+#: 'asyncgrpo.weights/v1'") and keeps serving what it has.
+WEIGHTS_FORMAT_SHARDED = "asyncgrpo.weights/v2"
+FORMATS = (WEIGHTS_FORMAT, WEIGHTS_FORMAT_SHARDED)
 ANCHOR, DELTA = "anchor", "delta"
 #: Default ``spec.model.full.anchorInterval``: a full version every K versions.
 DEFAULT_ANCHOR_INTERVAL = 10
@@ -74,10 +79,22 @@ class WeightsManifest:
     created: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     format: str = WEIGHTS_FORMAT
+    #: v2 only: ``{"world": W, "ranks": {"r": [files]}, "tensors": {name: {dtype, shape,
+    #: pieces}}}`` (tensors for anchors; asyncgrpo.weights.shards)
+    shards: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards is not None
+
+    def rank_bytes(self) -> dict[int, int]:
+        """Bytes each trainer rank uploaded (sharded versions)."""
+        ranks = (self.shards or {}).get("ranks", {})
+        return {int(r): sum(self.files[f].size for f in fs) for r, fs in ranks.items()}
 
     def to_json(self) -> str:
         doc = {
@@ -87,6 +104,8 @@ class WeightsManifest:
             "files": {k: {"sha256": v.sha256, "size": v.size} for k, v in sorted(self.files.items())},
             "extra": self.extra,
         }
+        if self.shards is not None:
+            doc["shards"] = self.shards
         return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -94,9 +113,14 @@ class WeightsManifest:
         """Parse and validate; anything unexpected is :class:`WeightsCorrupt`."""
         try:
             doc = json.loads(text)
-            if doc.get("format") != WEIGHTS_FORMAT:
-                raise ValueError(f"format is {doc.get('format')!r}, expected {WEIGHTS_FORMAT!r}")
+            if doc.get("format") not in FORMATS:
+                raise ValueError(f"format is {doc.get('format')!r}, expected one of {FORMATS}")
             files = parse_files(doc)
+            shards = doc.get("shards")
+            if (doc["format"] == WEIGHTS_FORMAT_SHARDED) != (shards is not None):
+                raise ValueError(f"{doc['format']} and shards {'absent' if shards is None else 'present'}")
+            if shards is not None:
+                _check_shards(shards, files, str(doc["kind"]))
             version, kind = int(doc["version"]), str(doc["kind"])
             base = None if doc.get("base") is None else int(doc["base"])
             anchor = int(doc["anchor"])
@@ -108,9 +132,33 @@ class WeightsManifest:
                 raise ValueError(f"kind is {kind!r}")
             return cls(run=str(doc["run"]), version=version, step=int(doc["step"]), kind=kind,
                        base=base, anchor=anchor, dtype=str(doc["dtype"]), files=files,
-                       created=str(doc.get("created", "")), extra=dict(doc.get("extra") or {}))
+                       created=str(doc.get("created", "")), extra=dict(doc.get("extra") or {}),
+                       format=str(doc["format"]), shards=shards)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise WeightsCorrupt(f"{where} is not a valid weights manifest: {e}") from None
+
+
+def _check_shards(shards: dict, files: dict, kind: str) -> None:
+    """A v2 manifest's ``shards``: every rank's files are the manifest's files, and an
+    anchor's pieces tile each tensor exactly, from files of the version."""
+    from asyncgrpo.weights.shards import check_cover
+
+    world = int(shards["world"])
+    ranks = shards["ranks"]
+    if world < 1 or not all(0 <= int(r) < world for r in ranks):
+        raise ValueError(f"shards: ranks {sorted(ranks)} for world {world}")
+    listed = [f for fs in ranks.values() for f in fs]
+    if sorted(listed) != sorted(files) or len(set(listed)) != len(listed):
+        raise ValueError("shards: the ranks' files are not the manifest's files")
+    if kind == ANCHOR:
+        tensors = shards["tensors"]
+        if not tensors:
+            raise ValueError("shards: an anchor without tensors")
+        for name, t in tensors.items():
+            _check_relpath(name.replace(".", "/"))  # no path tricks in names either
+            if any(p[0] not in files for p in t["pieces"]):
+                raise ValueError(f"shards: {name} names a file outside the version")
+            check_cover(name, t)
 
 
 class WeightStore(AdapterStore):
@@ -192,6 +240,48 @@ class WeightStore(AdapterStore):
                                content_type="application/json")
         log.info("published %s (%s, %d files, %d bytes) to %s", self.name(version), kind,
                  len(entries), manifest.total_bytes, self.url(vprefix))
+        return manifest
+
+    def upload_rank_files(self, local_dir: str | Path, version: int) -> dict[str, FileEntry]:
+        """One trainer rank's files of a sharded version (no manifest: rank 0 writes it once
+        every rank's files are in the bucket, :meth:`publish_sharded_manifest`)."""
+        local_dir = Path(local_dir)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        rels = [p.relative_to(local_dir).as_posix() for p in files]
+        for rel in rels:
+            _check_relpath(rel)
+        return self._upload_files(local_dir, files, rels, self.version_prefix(int(version)))
+
+    def claim(self, version: int) -> None:
+        """Raise :class:`WeightsVersionExists` if ``version`` is complete already."""
+        self._claim(int(version))
+
+    def publish_sharded_manifest(self, version: int, *, kind: str, step: int, dtype: str,
+                                 files: dict[str, FileEntry], shards: dict,
+                                 base: int | None = None, anchor: int | None = None,
+                                 extra: dict[str, Any] | None = None) -> WeightsManifest:
+        """The manifest of a sharded version whose files every rank has uploaded; each listed
+        file is checked to be in the bucket with its size first (a rank's upload that did not
+        land leaves the version without a manifest, i.e. absent)."""
+        version = int(version)
+        vprefix = self._claim(version)
+        manifest = WeightsManifest(
+            run=self.run, version=version, step=int(step), kind=kind, base=base,
+            anchor=version if kind == ANCHOR else int(anchor if anchor is not None else -1),
+            dtype=dtype, files=dict(files), created=datetime.now(UTC).isoformat(timespec="seconds"),
+            extra=dict(extra or {}), format=WEIGHTS_FORMAT_SHARDED, shards=shards)
+        WeightsManifest.from_json(manifest.to_json(), where="new manifest")  # same rules as readers
+        present = self.objects.list(vprefix)  # one listing, not a request per file
+        for rel, entry in files.items():
+            if present.get(vprefix + rel) != entry.size:
+                raise WeightsIncomplete(f"{self.url(vprefix + rel)} has "
+                                        f"{present.get(vprefix + rel)} bytes, its rank uploaded "
+                                        f"{entry.size}: no manifest")
+        self.objects.put_bytes(vprefix + MANIFEST, manifest.to_json().encode(),
+                               content_type="application/json")
+        log.info("published %s (%s, sharded over %d ranks, %d files, %d bytes) to %s",
+                 self.name(version), kind, shards["world"], len(files), manifest.total_bytes,
+                 self.url(vprefix))
         return manifest
 
     # -- retention ---------------------------------------------------------------------------

@@ -137,6 +137,30 @@ def test_assembled_weights_equal_the_full_state_at_every_version(published, s3_s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_final_of_a_sharded_run_is_the_last_version_rebuilt_from_the_bucket(published, s3_server,
+                                                                           s3_env, tmp_path, kind):
+    """No rank holds the whole model, so final/ is rebuilt on disk from the bucket (the
+    puller's assembly): it must be the last version bit for bit and load with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo.trainer.final import write_final_full_from_bucket
+
+    out, bucket, _ranks = published
+    store = _store(s3_server, bucket, f"sharded-{kind}")
+    manifest = write_final_full_from_bucket(store, version=VERSIONS, step=VERSIONS,
+                                            base_model=str(out / f"tiny-{kind}"))
+    assert manifest.extra["final"] and manifest.version == VERSIONS
+    final_dir, _m = store.fetch_final(tmp_path / "final")
+    want = load_file(out / f"expected-{kind}-v{VERSIONS}.safetensors")
+    assert _equal(load_file(final_dir / "model.safetensors"), want)
+    model = AutoModelForCausalLM.from_pretrained(final_dir)
+    state = model.state_dict()
+    some = next(k for k in want if k in state)
+    assert torch.equal(state[some].to(want[some].dtype), want[some])
+
+
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_serves_the_assembled_sharded_version(published, s3_server, s3_env, tmp_path):
     """The real puller swaps a sharded version (anchor v4 + delta v5 of two ranks) into a real

@@ -17,12 +17,15 @@ last one included, and a publish is retried until it is in. Its manifest is the 
 format (the adapter manifest for LoRA, the weights manifest, kind anchor, for full), written
 last, with `extra.final: true` and the version it was made from. Rank 0 writes it; it needs
 no collective (the LoRA files come back from the bucket, verified; the full weights are
-rank 0's CPU copy of the last version, the base of its next delta).
+rank 0's CPU copy of the last version, the base of its next delta, or, when the ranks
+published their own shards, the last version rebuilt from the bucket on disk the way a
+vLLM replica's puller builds it, so no process ever holds the whole model).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -61,30 +64,59 @@ def write_final_full(weight_store, tensors: dict, *, version: int, step: int,
                      base_model: str, tokenizer=None, extra: dict | None = None):
     """final/ from `tensors` (checkpoint name -> CPU tensor, the last published version),
     with the base model's config so transformers and vLLM load the folder as a model."""
-    from transformers import AutoConfig, GenerationConfig
-
     from asyncgrpo.weights.format import write_anchor
-    from asyncgrpo.weights.store import ANCHOR, WeightsManifest
 
     if not tensors:
         return None
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     with tempfile.TemporaryDirectory(prefix="asyncgrpo-final-") as tmp:
         out = Path(tmp) / "final"
         write_anchor(tensors, out)
-        AutoConfig.from_pretrained(base_model).save_pretrained(str(out))
-        try:
-            GenerationConfig.from_pretrained(base_model).save_pretrained(str(out))
-        except OSError:
-            pass  # the base has none: transformers' defaults apply
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(out))
-        dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-        manifest = WeightsManifest(
-            run=weight_store.run, version=int(version), step=int(step), kind=ANCHOR, base=None,
-            anchor=int(version), dtype=dtype, files={},
-            extra={**(extra or {}), "final": True, "kind": FULL,
-                   "source": weight_store.name(version), "base_model": base_model})
-        return weight_store.publish_final(out, manifest)
+        return _publish_model_folder(weight_store, out, version=version, step=step, dtype=dtype,
+                                     base_model=base_model, tokenizer=tokenizer, extra=extra)
+
+
+def write_final_full_from_bucket(weight_store, *, version: int, step: int, base_model: str,
+                                 tokenizer=None, extra: dict | None = None):
+    """final/ from version `version` as the bucket holds it (a sharded run: every rank
+    published only its own shard), rebuilt on local disk by the puller's own code."""
+    from asyncgrpo.weights.puller import Puller
+
+    with tempfile.TemporaryDirectory(prefix="asyncgrpo-final-") as tmp:
+        puller = Puller(weight_store, vllm=None, work_dir=Path(tmp) / "copy", probe=False)
+        copy = puller.build_local_copy(version)
+        out = Path(tmp) / "final"
+        out.mkdir()
+        for f in copy.glob("*.safetensors*"):
+            os.replace(f, out / f.name)  # same folder tree: a rename, no second copy
+        for f in copy.glob("*.index.json"):
+            os.replace(f, out / f.name)
+        dtype = weight_store.manifest(version).dtype
+        return _publish_model_folder(weight_store, out, version=version, step=step, dtype=dtype,
+                                     base_model=base_model, tokenizer=tokenizer, extra=extra)
+
+
+def _publish_model_folder(weight_store, out: Path, *, version: int, step: int, dtype: str,
+                          base_model: str, tokenizer, extra: dict | None):
+    """Add the base model's config (and generation config) and the tokenizer to a folder of
+    checkpoint-layout weights, and publish it as final/ with its manifest last."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from asyncgrpo.weights.store import ANCHOR, WeightsManifest
+
+    AutoConfig.from_pretrained(base_model).save_pretrained(str(out))
+    try:
+        GenerationConfig.from_pretrained(base_model).save_pretrained(str(out))
+    except OSError:
+        pass  # the base has none: transformers' defaults apply
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    manifest = WeightsManifest(
+        run=weight_store.run, version=int(version), step=int(step), kind=ANCHOR, base=None,
+        anchor=int(version), dtype=dtype, files={},
+        extra={**(extra or {}), "final": True, "kind": FULL,
+               "source": weight_store.name(version), "base_model": base_model})
+    return weight_store.publish_final(out, manifest)
 
 
 def write_final(trainer, run, tokenizer) -> dict | None:
@@ -98,16 +130,16 @@ def write_final(trainer, run, tokenizer) -> dict | None:
         weights = trainer._weights
         if weights is None or weights._prev is None or not weights.version:
             return None
+        step = weights.published[-1]["step"] if weights.published else trainer.state.global_step
         if getattr(weights, "world", 1) > 1:
-            # a sharded publisher holds only its own shard: final/ from it would be partial
-            # (rebuilding it from the bucket's last version is not built yet)
-            log.warning("final/ not written: weights were published per rank; the last "
-                        "version v%d in the bucket is the result", weights.version)
-            return None
-        manifest = write_final_full(
-            weights.store, weights._prev, version=weights.version,
-            step=weights.published[-1]["step"] if weights.published else trainer.state.global_step,
-            base_model=run.spec.model.name, tokenizer=tokenizer)
+            # a sharded publisher holds only its own shard: rebuild the version from the bucket
+            manifest = write_final_full_from_bucket(
+                weights.store, version=weights.version, step=step,
+                base_model=run.spec.model.name, tokenizer=tokenizer)
+        else:
+            manifest = write_final_full(
+                weights.store, weights._prev, version=weights.version, step=step,
+                base_model=run.spec.model.name, tokenizer=tokenizer)
         return None if manifest is None else output_record(weights.store, manifest, FULL)
     except Exception as err:  # noqa: BLE001 - the run's versions and checkpoints stand
         log.error("the final result was not written to final/: %s", err)

@@ -346,6 +346,17 @@ class Puller:
                 return applied
         return applied
 
+    def build_local_copy(self, version: int) -> Path:
+        """The checkpoint-layout folder of ``version``, built from the bucket exactly as a
+        replica builds it (anchor, assembled from rank files when sharded, then deltas):
+        the trainer's final/ of a sharded run, whose ranks each hold only a shard, comes
+        from here. Raises WeightsCorrupt when that version cannot be built."""
+        self._catch_up(version)
+        if self.local_version != version:
+            reason = self.refused.get(version) or "its chain is not complete in the bucket"
+            raise WeightsCorrupt(f"v{version} cannot be built: {reason}")
+        return self.current
+
     def _vllm_has(self, version: int | None) -> bool:
         if version is None:
             return True

@@ -123,3 +123,31 @@ def test_code_fix_task_in_sandboxes_scored_by_the_tests_where_it_never_ran(gatew
     assert rewards == [pytest.approx(2 / 3), 1.0, pytest.approx(2 / 3)]
     demand = lambda: httpx.get(f"{gateway.url}/v1/demand").json()
     wait_until(lambda: demand()["leases_active"] == 0, 20, what="leases released after get_reward")
+
+
+PREFLIGHT = """
+import sys
+from asyncgrpo.api import load_run
+from asyncgrpo.preflight import preflight
+run = load_run(sys.argv[1])
+if sys.argv[2] == "drop":
+    run.spec.trainer.env = [v for v in run.spec.trainer.env if v.name != "PYTHONPATH"]
+for e in preflight(run, tokenizer=False).errors:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("task", ["calculator-math", "code-fix"])
+def test_the_deep_checks_find_the_tasks_modules_where_the_trainer_does(task):
+    """`validate --deep` (and the start of `local run`) imports the task's modules from the
+    trainer's PYTHONPATH, as the local trainer pod does; without it, it names the field.
+    A fresh process each: an earlier import must not hide a path that is missing."""
+    import subprocess
+    import sys
+
+    def errors(mode: str) -> str:
+        return subprocess.run([sys.executable, "-c", PREFLIGHT, f"examples/tasks/{task}/run.yaml", mode],
+                              cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    assert "module" not in errors("keep")
+    assert "spec.harness.environment.module" in errors("drop")

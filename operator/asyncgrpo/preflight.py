@@ -415,8 +415,9 @@ def _preflight_command(args) -> int:
     report = preflight(run)
     for line in format_report(report):
         print(line, file=sys.stderr if not line.startswith("note") else sys.stdout)
-    target = Path(os.environ.get(wire.TERMINATION_LOG_ENV) or args.termination_log)
-    if target.exists():
+    named = os.environ.get(wire.TERMINATION_LOG_ENV)   # a local pod's (placement) file
+    target = Path(named or args.termination_log)
+    if named or target.exists():
         try:
             target.write_text(json.dumps({"errors": [{"path": e.path, "message": e.message}
                                                      for e in report.errors]})[:4000])

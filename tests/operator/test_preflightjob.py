@@ -87,6 +87,10 @@ def test_outcome_names_each_field_and_a_stored_outcome_stands_for_its_spec():
     passed = preflightjob.outcome(child("Job", "Complete", hash_=key), [])
     assert preflightjob.condition(passed)[:2] == (True, "Passed")
     assert preflightjob.parse_errors("Traceback: boom") == ["Traceback: boom"]
+    # an image the pod cannot pull fails now, not at the Job's deadline
+    pulling = child("Pod", "Pending", uid="p2", owner="j9", problem="ImagePullBackOff")
+    stuck = preflightjob.outcome(child("Job", "Running", uid="j9", hash_=key), [pulling])
+    assert (stuck.state, stuck.reason) == ("failed", "ImagePullBackOff")
 
 
 def test_the_condition_keeps_the_run_pending_and_vllm_and_the_trainer_at_zero():

@@ -339,12 +339,27 @@ def _reachable_bucket(run, env: dict[str, str]):
     return storage.Bucket(s.bucket, "", client, attempts=1)
 
 
+def module_paths(run) -> list[str]:
+    """Where the trainer finds the run's modules besides its image: the PYTHONPATH of
+    `spec.trainer.env` (a local run's task folder) and `spec.harness.environment.path`,
+    relative ones from the current directory (as a local run's pods resolve them)."""
+    out = [p for var in run.spec.trainer.env if var.name == "PYTHONPATH" and var.value
+           for p in var.value.split(os.pathsep) if p]
+    env = _environment(run)
+    if env is not None and getattr(env, "path", None):
+        out.append(env.path)
+    return [str(Path(p).expanduser().absolute()) for p in out]
+
+
 def preflight(run, *, bucket=None, tokenizer: bool = True) -> PreflightReport:
     """Every deep check of one run; never raises for the run's own problems."""
     report = PreflightReport()
     env = _env_of(run)
     if str(Path.cwd()) not in sys.path and "" not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # user modules resolve from here, as locally
+    for p in reversed(module_paths(run)):  # first, as on the trainer's path
+        if p not in sys.path:
+            sys.path.insert(0, p)
 
     def take(items, what: str) -> None:
         for item in items:
@@ -399,8 +414,9 @@ def _preflight_command(args) -> int:
     report = preflight(run)
     for line in format_report(report):
         print(line, file=sys.stderr if not line.startswith("note") else sys.stdout)
-    target = Path(os.environ.get(wire.TERMINATION_LOG_ENV) or args.termination_log)
-    if target.exists():
+    named = os.environ.get(wire.TERMINATION_LOG_ENV)   # a local pod's (placement) file
+    target = Path(named or args.termination_log)
+    if named or target.exists():
         try:
             target.write_text(json.dumps({"errors": [{"path": e.path, "message": e.message}
                                                      for e in report.errors]})[:4000])

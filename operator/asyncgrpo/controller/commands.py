@@ -79,6 +79,11 @@ def register(subparsers) -> None:
     p.add_argument("--bucket-recheck-seconds", type=float,
                    default=float(_env("BUCKET_RECHECK_SECONDS", "600") or 600),
                    help="seconds between re-runs of a run's bucket setup Job")
+    p.add_argument("--preflight", action=argparse.BooleanOptionalAction,
+                   default=(_env("PREFLIGHT", "false") or "").lower() in ("1", "true", "yes"),
+                   help="run `asyncgrpo preflight` as a Job of the run's namespace (the "
+                        "trainer image) before vLLM and the trainer scale up; its outcome "
+                        "is the Preflight condition")
     p.add_argument("--gpu-resource-name", default=_env("GPU_RESOURCE_NAME", "nvidia.com/gpu"),
                    help="extended resource GPUs are requested as by runs that name none "
                         "(spec.gpuResourceName), e.g. amd.com/gpu")
@@ -153,6 +158,7 @@ def run_operator(args: argparse.Namespace) -> int:
         settings.bucket_job_image = args.bucket_job_image
     settings.bucket_job_pull_policy = args.bucket_job_pull_policy
     settings.bucket_recheck_seconds = args.bucket_recheck_seconds
+    settings.preflight = args.preflight
     settings.caps = Caps(sandboxes_per_run=args.cap_sandboxes_per_run,
                          sandboxes_per_namespace=args.cap_sandboxes_per_namespace,
                          vllm_replicas=args.cap_vllm_replicas,

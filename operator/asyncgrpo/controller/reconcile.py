@@ -39,6 +39,7 @@ from asyncgrpo.controller import (
     gateway,
     ownership,
     pool,
+    preflightjob,
     progress,
     sandboxes,
     secret,
@@ -137,8 +138,11 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     trainer_up = (w := workload(children, trainer.COMPONENT)) is not None and w.replicas > 0
     deps_ready = _ready(children, vllm.COMPONENT) and (
         run.spec.sandboxes is None or _ready(children, gateway.COMPONENT))
-    start = trainer_up or (deps_ready and obs.bucket_error is None and obs.bucket_checked)
+    preflight_action, preflight_ok = _check_preflight(rt, state, run, obs, children, stopped)
+    start = trainer_up or (deps_ready and obs.bucket_error is None and obs.bucket_checked
+                           and preflight_ok)
     obs.trainer_gated = not start and not stopped
+    hold = not preflight_ok and not trainer_up   # vLLM and the trainer wait at zero
 
     if run.spec.sandboxes is not None:
         conflicts += _ensure_secret(rt, state, run, body, obs)
@@ -146,7 +150,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
 
     def desired_children(gated: bool) -> list[dict[str, Any]]:
         out = build_children(run, stopped=stopped or gated, start_trainer=start and not gated,
-                             resolved_hosts=hosts, scrapers=rt.settings.scrapers)
+                             resolved_hosts=hosts, scrapers=rt.settings.scrapers, hold=hold)
         for obj in out:   # written once, with the spec that passed check_run
             if obj["kind"] == "ConfigMap":
                 obj["metadata"].setdefault("annotations", {})[IDENTITY_ANNOTATION] = \
@@ -167,6 +171,8 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
         bucket_action = None
     # after the children: the Job's pod runs as the run's ServiceAccount, created above
     obs.apply_errors += _act_on_bucket_job(rt, state, body, bucket_action, conflicts, uid)
+    if not conflicts:
+        obs.apply_errors += _act_on_bucket_job(rt, state, body, preflight_action, conflicts, uid)
 
     spawned = 0
     if run.spec.sandboxes is None:   # the pool was removed from the spec: its pods go too
@@ -335,6 +341,24 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
     obs.bucket_checked = key in (state.bucket_ok_for, state.bucket_failed_for)
     obs.bucket_error = state.bucket_error if state.bucket_failed_for == key else None
     return action
+
+
+def _check_preflight(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation,
+                     children: list[Child], stopped: bool
+                     ) -> tuple[tuple[str, dict[str, Any]] | None, bool]:
+    """The preflight Job (`preflightjob`, when the operator runs preflights): what to do with
+    it, and whether vLLM and the trainer may scale up; its outcome goes to `obs.preflight`."""
+    if not rt.settings.preflight:
+        return None, True
+    if state.preflight is None:
+        state.preflight = preflightjob.State()
+    desired = preflightjob.build_job(run, rt.settings.bucket_job_pull_policy)
+    job = _find(children, "Job", desired["metadata"]["name"])
+    ready = obs.bucket_checked and obs.bucket_error is None and not stopped
+    action, result = preflightjob.step(desired, job, [c for c in children if c.kind == "Pod"],
+                                       state.preflight, ready)
+    obs.preflight = preflightjob.condition(result)
+    return action, obs.preflight[0] is True
 
 
 def _act_on_bucket_job(rt: Runtime, state: RunState, owner: dict[str, Any],

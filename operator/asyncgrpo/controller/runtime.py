@@ -106,6 +106,9 @@ class Settings:
     caps: Caps = field(default_factory=Caps)
     #: GPU resource of runs that name none (spec.gpuResourceName; Helm value gpuResourceName).
     gpu_resource_name: str = "nvidia.com/gpu"
+    #: Run `asyncgrpo preflight` as a Job (the trainer image) before vLLM and the trainer
+    #: scale up, reported as the Preflight condition (controller.preflightjob).
+    preflight: bool = False
 
 
 @dataclass
@@ -130,6 +133,8 @@ class RunState:
     progress: Progress | None = None
     #: children found that this run does not own: (kind, name) -> retry creating after
     conflicts: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: the preflight Job's last outcome (controller.preflightjob.State)
+    preflight: Any = None
 
 
 @dataclass

@@ -58,6 +58,8 @@ class Observation:
     #: (reason, message): a tenant endpoint that was slow, too large or malformed, names
     #: that did not resolve, a token Secret that cannot be read (controller.tenant_io)
     endpoint_problems: list[tuple[str, str]] = field(default_factory=list)
+    #: (status, reason, message) of the Preflight condition; None: no preflight (off)
+    preflight: tuple[bool | None, str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,9 @@ def _conditions_and_phase(spec: AsyncGRPORunSpec, obs: Observation, old: dict[st
                                       stopped)
     conds.append(trainer)
     conds.append(_adapter_condition(obs.progress, probe_tolerance(spec)))
+    preflight_pending = obs.preflight is not None and obs.preflight[0] is not True
+    if obs.preflight is not None:
+        conds.append(_cond(PREFLIGHT_CONDITION, *obs.preflight))
 
     degraded: tuple[str, str] | None = None
     if obs.bucket_checked and obs.bucket_error is not None:
@@ -188,7 +193,8 @@ def _conditions_and_phase(spec: AsyncGRPORunSpec, obs: Observation, old: dict[st
         phase = terminal
     elif spec.suspend:
         phase = SUSPENDED
-    elif obs.bucket_error is not None or bucket_pending or obs.conflicts:
+    elif obs.bucket_error is not None or bucket_pending or obs.conflicts \
+            or (preflight_pending and trainer["status"] != "True"):
         phase = PENDING
     elif trainer["status"] == "True":
         phase = RUNNING

@@ -28,8 +28,9 @@ from typing import Any
 from asyncgrpo import wire
 from asyncgrpo.controller.bucketjob import CLEANUP, SETUP
 from asyncgrpo.controller.kube import path, request
+from asyncgrpo.controller.preflightjob import COMPONENT as PREFLIGHT
 
-SELECTOR = f"app.kubernetes.io/component in ({SETUP},{CLEANUP})"
+SELECTOR = f"app.kubernetes.io/component in ({SETUP},{CLEANUP},{PREFLIGHT})"
 
 
 def _now() -> str:
@@ -95,6 +96,25 @@ class BucketJobKubelet:
         # the bytes as they are, as a kubelet passes them (non-UTF-8 stays non-UTF-8)
         return base64.b64decode(data[ref["key"]]).decode("utf-8", "surrogateescape")
 
+    def _config_maps(self, ns: str, pod: dict[str, Any], container: dict[str, Any],
+                     root: str) -> dict[str, str]:
+        """Mount path -> local folder for each ConfigMap volume of the container, its keys
+        written there as files (the preflight Job reads the run file and the data so)."""
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        out = {}
+        for m in container.get("volumeMounts") or []:
+            cm = (volumes.get(m["name"]) or {}).get("configMap")
+            if cm is None:
+                continue
+            data = request(self.api, "GET", path("ConfigMap", ns, cm["name"])).get("data") or {}
+            items = cm.get("items") or [{"key": k, "path": k} for k in data]
+            folder = os.path.join(root, "mounts", m["name"])
+            os.makedirs(folder, exist_ok=True)
+            for item in items:
+                Path(folder, item["path"]).write_text(data.get(item["key"], ""))
+            out[m["mountPath"]] = folder
+        return out
+
     def _run(self, pod: dict[str, Any]) -> None:
         import subprocess
 
@@ -120,6 +140,9 @@ class BucketJobKubelet:
                         wire.TERMINATION_LOG_ENV: log})
             cmd = container["command"] + (container.get("args") or [])
             assert cmd[0] == "asyncgrpo", cmd   # the image's entry point
+            mounts = self._config_maps(ns, pod, container, tmp)
+            for mount, folder in sorted(mounts.items(), key=lambda m: -len(m[0])):
+                cmd = [folder + a[len(mount):] if a.startswith(mount + "/") else a for a in cmd]
             started = _now()
             try:
                 proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", *cmd[1:]],

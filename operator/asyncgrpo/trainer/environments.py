@@ -20,6 +20,7 @@ sys.path before the import.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -64,6 +65,35 @@ def check_environment_class(cls: type, args: dict[str, Any], with_sandbox: bool)
                             f"Google docstring with Args:): {err}") from err
 
 
+@functools.cache
+def _task_sandbox_class() -> type:
+    from asyncgrpo.sandbox.environment import SandboxHandle
+
+    class TaskSandbox(SandboxHandle):
+        __doc__ = SandboxHandle.__doc__
+
+        def score(self) -> float | None:
+            """The share of the row's tests that pass on the rollout's editable files,
+            scored where the rollout never ran; None for a row without `test_command`."""
+            return self._rollout.get_reward()
+
+    return TaskSandbox
+
+
+def task_sandbox(config):
+    """The `sandbox=` handle a user environment gets: `SandboxHandle` plus `score()`.
+
+    `score()` is the task author's contract of docs/sandboxes.md ("Reward integrity") for a
+    user's `get_reward`: the row's `test_command`, run through the sandbox server's clean
+    scoring (`/v1/score`: only the row's `editable` files kept, laid over a fresh copy of
+    the row's `files`, a clean environment), parsed as the built-in harness parses it.
+    It is the built-in `get_reward`, so failures score as there (a lost sandbox 0.0, no
+    sandbox at all None, each counted) and it never raises; it ends the rollout's use of
+    the sandbox, so it is the last call of a `get_reward`.
+    """
+    return _task_sandbox_class()(config)
+
+
 _WRAPPED: dict[type, type] = {}
 
 
@@ -106,9 +136,7 @@ class UserEnvironmentFactory:
         cls = self._class()
         if self.sandbox is None:
             return cls(**self.args)
-        from asyncgrpo.sandbox.environment import SandboxHandle
-
-        handle = SandboxHandle(self.sandbox)
+        handle = task_sandbox(self.sandbox)
         env = _with_sandbox(cls)(**self.args, sandbox=handle)
         env._asyncgrpo_sandbox = handle
         return env

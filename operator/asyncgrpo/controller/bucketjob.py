@@ -46,6 +46,7 @@ TERMINATION_LOG = "/dev/termination-log"
 UID_ENV = "ASYNCGRPO_RUN_UID"
 CREATE_ENV = "ASYNCGRPO_ADAPTER_CREATE_BUCKET"
 ALLOWED_ENV = "ASYNCGRPO_ALLOWED_ENDPOINTS"
+RECLAIM_ENV = "ASYNCGRPO_ADAPTER_RECLAIM_RETAINED"
 #: Kubelet reasons of a container that cannot start because of its Secret reference, mapped
 #: to the condition reasons the operator used when it read the Secret itself.
 _CONFIG_ERRORS = ((re.compile(r"secret .* not found", re.IGNORECASE), "SecretNotFound"),
@@ -79,6 +80,7 @@ def build_job(run: AsyncGRPORun, component: str, uid: str, js: JobSettings) -> d
         {"name": UID_ENV, "value": uid},
         {"name": CREATE_ENV, "value": "true" if store.create_bucket else "false"},
         {"name": ALLOWED_ENV, "value": ",".join(js.allowed_endpoints)},
+        {"name": RECLAIM_ENV, "value": "true" if store.reclaim_retained_folder else "false"},
         {"name": "HOME", "value": "/tmp"},
     ]
     container = {

@@ -86,12 +86,34 @@ def credentials_from_env(env: Mapping[str, str]) -> Credentials | None:
 TIMEOUT_SECONDS = 3.0
 
 
-#: Cloud metadata servers outside 169.254.0.0/16 and fe80::/10: AWS's IPv6 one
-#: (fd00:ec2::254) and Alibaba's (100.100.100.200). The Jobs' NetworkPolicy excepts them too.
+#: Cloud metadata (and host agent) servers outside 169.254.0.0/16 and fe80::/10: AWS's IPv6
+#: one (fd00:ec2::254), GCP's IPv6 one (fd20:ce::254), Oracle Cloud's IPv6 one
+#: (fd00:c1::a9fe:a9fe), Alibaba's (100.100.100.200) and Azure's WireServer
+#: (168.63.129.16). GCP, Azure, OpenStack, DigitalOcean, Hetzner and Tencent serve theirs
+#: on 169.254/16 (Tencent: 169.254.0.23). The Jobs' NetworkPolicy excepts them all
+#: (`metadata_excepts`).
 METADATA_NETWORKS = (ipaddress.ip_network("fd00:ec2::254/128"),
-                     ipaddress.ip_network("100.100.100.200/32"))
+                     ipaddress.ip_network("fd20:ce::254/128"),
+                     ipaddress.ip_network("fd00:c1::a9fe:a9fe/128"),
+                     ipaddress.ip_network("100.100.100.200/32"),
+                     ipaddress.ip_network("168.63.129.16/32"))
+_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
 #: NAT64 (64:ff9b::/96) carries an IPv4 address in its last 32 bits.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def metadata_excepts() -> tuple[list[str], list[str]]:
+    """(IPv4, IPv6) CIDRs a NetworkPolicy must except to close every metadata address in
+    every spelling `is_metadata_address` refuses: the IPv4 ones also as NAT64
+    (64:ff9b::a.b.c.d) and IPv4-compatible (::a.b.c.d) IPv6. IPv4-mapped ::ffff:a.b.c.d is
+    IPv4 on the wire (and the API server refuses it as an IPv6 except)."""
+    v4 = [n for n in _LINK_LOCAL + METADATA_NETWORKS if n.version == 4]
+    v6 = [str(n) for n in _LINK_LOCAL + METADATA_NETWORKS if n.version == 6]
+    for n in v4:
+        for base in (int(_NAT64.network_address), 0):
+            v6.append(str(ipaddress.IPv6Network((base + int(n.network_address),
+                                                 96 + n.prefixlen))))
+    return [str(n) for n in v4], v6
 
 
 def is_metadata_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:

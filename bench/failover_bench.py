@@ -118,7 +118,8 @@ def main() -> int:
                                "127.0.0.1", "-p", str(s3_port)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
         request(api, "POST", path("Secret", NS), {
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": NS},
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": NS,
+                                                         "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
             "stringData": {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}})
 
         def holder() -> str:

@@ -168,7 +168,8 @@ def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3_port: in
             request(client, "POST", "/api/v1/namespaces",
                     {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
             request(client, "POST", path("Secret", ns), {
-                "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": ns},
+                "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": ns,
+                                                             "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
                 "stringData": {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}})
 
         for ns, name in healthy:

@@ -154,7 +154,8 @@ def main() -> int:
                               stderr=subprocess.DEVNULL)
         procs.append(s3)
         request(api, "POST", path("Secret", ns), {
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": ns},
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": ns,
+                                                         "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
             "stringData": {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}})
         base["spec"]["adapterStore"].update({"endpoint": f"http://127.0.0.1:{s3_port}",
                                              "credentialsSecret": {"name": "s3"}})

@@ -134,6 +134,7 @@ class Stack:
             self.kubectl("-n", ns, "create", "secret", "generic", "s3",
                          f"--from-literal=AWS_ACCESS_KEY_ID={self.s3.access_key}",
                          f"--from-literal=AWS_SECRET_ACCESS_KEY={self.s3.secret_key}")
+            self.kubectl("-n", ns, "label", "secret", "s3", "asyncgrpo.dev/s3-credentials=true")
         return ns
 
     def logs(self, ns: str, selector: str) -> str:

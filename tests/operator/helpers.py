@@ -123,7 +123,8 @@ def make_run(s3, ns: str, name: str, source: str = "lora-math.yaml", **spec_chan
 
 
 def s3_secret(s3, ns: str, name: str = "s3-credentials") -> dict:
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": ns},
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {
+                "name": name, "namespace": ns, "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
             "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key,
                            "AWS_SECRET_ACCESS_KEY": s3.secret_key}}
 

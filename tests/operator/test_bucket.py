@@ -3,6 +3,7 @@ and errors that name a reason and never a credential."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -220,3 +221,138 @@ def test_malformed_endpoint_or_region_becomes_a_bucket_error(changes):
         bucket.check_endpoint(st)
         bucket.setup_run_folder(st, bucket.Credentials("a", "b"), owner())
     assert e.value.reason in ("InvalidEndpoint", "EndpointUnreachable")
+
+
+# ---------------------------------------------------------------- races on the claim
+
+
+def _nested_pair(s3_server):
+    """An outer run's store and an inner run's whose folder lies inside the outer one's."""
+    outer_store = store(s3_server, prefix="p")
+    inner_store = AdapterStoreSpec(**{**outer_store.model_dump(), "prefix": "p/team-a/outer"})
+    return (outer_store, owner("team-a", "outer")), (inner_store, owner("team-b", "inner"))
+
+
+def _claim_at_once(s3_server, monkeypatch, pair, meet_at_write: bool):
+    """Both setups in threads; with `meet_at_write`, each waits at its marker write until the
+    other reached its own (the interleaving the check-then-write claim lost: both checked,
+    then both wrote). Returns the set of owners whose setup succeeded."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=5)
+    real_client = bucket.client
+
+    def meeting_client(*a, **kw):
+        s3 = real_client(*a, **kw)
+        put_object = s3.put_object
+
+        def put(**args):
+            if args["Key"].endswith(".asyncgrpo-owner.json"):
+                try:
+                    barrier.wait()
+                except threading.BrokenBarrierError:
+                    pass
+            return put_object(**args)
+
+        s3.put_object = put
+        return s3
+
+    if meet_at_write:
+        monkeypatch.setattr(bucket, "client", meeting_client)
+    won = set()
+
+    def setup(st, who):
+        try:
+            bucket.setup_run_folder(st, creds(s3_server), who)
+            won.add(who.name)
+        except bucket.BucketError as e:
+            assert e.reason in ("FolderInsideAnotherRun", "FolderContainsAnotherRun"), e
+    threads = [threading.Thread(target=setup, args=p) for p in pair]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    monkeypatch.setattr(bucket, "client", real_client)
+    return won
+
+
+def _markers(s3_server, st):
+    return {k for k in keys_of(s3_server.client(), st) if k.endswith(".asyncgrpo-owner.json")}
+
+
+def test_two_nested_runs_claiming_at_once_never_both_hold_their_folder(s3_server, monkeypatch):
+    (outer_store, outer), inner = _nested_pair(s3_server)
+    won = _claim_at_once(s3_server, monkeypatch, [(outer_store, outer), inner],
+                         meet_at_write=True)
+    assert len(won) <= 1, "both nested runs claimed their folders"
+    # whoever lost removed its marker: at most the winner's is left
+    assert len(_markers(s3_server, outer_store)) == len(won)
+    # the next setups, one after the other, settle it: exactly one run holds its folder
+    results = []
+    for st, who in ((outer_store, outer), inner):
+        try:
+            bucket.setup_run_folder(st, creds(s3_server), who)
+            results.append(who.name)
+        except bucket.BucketError:
+            pass
+    assert len(set(results) | won) == 1
+    assert len(_markers(s3_server, outer_store)) == 1
+
+
+def test_nested_claims_in_free_running_threads_never_both_hold(s3_server, monkeypatch):
+    for _ in range(8):
+        pair = _nested_pair(s3_server)
+        won = _claim_at_once(s3_server, monkeypatch, list(pair), meet_at_write=False)
+        assert len(won) <= 1
+        assert len(_markers(s3_server, pair[0][0])) == len(won)
+
+
+def test_an_established_run_keeps_its_folder_beside_a_newcomer(s3_server):
+    (outer_store, outer), (inner_store, inner) = _nested_pair(s3_server)
+    bucket.setup_run_folder(outer_store, creds(s3_server), outer)
+    # a newcomer's marker written (its setup not yet done checking): the older run's recheck
+    # passes, the newcomer's own setup is refused and removes its marker
+    s3_server.client().put_object(Bucket=outer_store.bucket, Body=inner.marker(),
+                                  Key="p/team-a/outer/team-b/inner/.asyncgrpo-owner.json")
+    bucket.setup_run_folder(outer_store, creds(s3_server), outer)
+    s3_server.client().delete_object(Bucket=outer_store.bucket,
+                                     Key="p/team-a/outer/team-b/inner/.asyncgrpo-owner.json")
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.setup_run_folder(inner_store, creds(s3_server), inner)
+    assert e.value.reason == "FolderInsideAnotherRun"
+    assert _markers(s3_server, outer_store) == {"p/team-a/outer/.asyncgrpo-owner.json"}
+
+
+def test_a_recreated_run_takes_its_retained_folder_back_only_when_asked(s3_server):
+    st = store(s3_server)
+    first = owner()
+    bucket.setup_run_folder(st, creds(s3_server), first)
+    kept = "asyncgrpo/team-a/run-a/checkpoints/step-7/f"
+    put(s3_server.client(), st, [kept])
+    again = bucket.Owner(first.namespace, first.name, "uid-of-the-new-run")
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.setup_run_folder(st, creds(s3_server), again)
+    assert e.value.reason == "FolderOwnedByAnotherRun"
+    assert "reclaimRetainedFolder" in e.value.message
+    bucket.setup_run_folder(st, creds(s3_server), again, reclaim=True)
+    body = s3_server.client().get_object(Bucket=st.bucket,
+                                         Key="asyncgrpo/team-a/run-a/.asyncgrpo-owner.json")
+    assert json.loads(body["Body"].read())["uid"] == "uid-of-the-new-run"
+    assert kept in keys_of(s3_server.client(), st)   # resumed from, not emptied
+    # the old run's cleanup can no longer touch it; the new run's can
+    with pytest.raises(bucket.BucketError):
+        bucket.cleanup_run_folder(st, creds(s3_server), first)
+
+
+def test_reclaim_never_takes_a_folder_whose_marker_names_another_run(s3_server):
+    st = store(s3_server)
+    me = owner()
+    # a marker naming another run (as a tenant with the bucket's keys could write one)
+    other = bucket.Owner("team-z", "someone", "their-uid")
+    s3_server.client().create_bucket(Bucket=st.bucket)
+    s3_server.client().put_object(Bucket=st.bucket, Body=other.marker(),
+                                  Key="asyncgrpo/team-a/run-a/.asyncgrpo-owner.json")
+    with pytest.raises(bucket.BucketError) as e:
+        bucket.setup_run_folder(st, creds(s3_server), me, reclaim=True)
+    assert e.value.reason == "FolderOwnedByAnotherRun"
+    assert "reclaimRetainedFolder" not in e.value.message

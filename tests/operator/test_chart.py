@@ -293,6 +293,10 @@ WRONG_VALUES = [
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("operator.resyncSeconds=0", "/operator/resyncSeconds"),
     ("caps.vllmReplicas=many", "/caps/vllmReplicas"),
+    ("operator.tenantIO.endpointDeadlineSeconds=0", "/operator/tenantIO/endpointDeadlineSeconds"),
+    ("operator.tenantIO.readsPerNamespace=0", "/operator/tenantIO/readsPerNamespace"),
+    ("operator.tenantIO.dnsNameservers[0]=not a server", "/operator/tenantIO/dnsNameservers/0"),
+    ("operator.tenantIO.deadline=3", "'deadline' not allowed"),
     ("gpuResourceName=nvidia gpu", "/gpuResourceName"),
     ("tolerations[0].efect=NoSchedule", "'efect' not allowed"),
     ("webhook.certManager=true", "/webhook/certManager"),
@@ -321,7 +325,10 @@ DOCUMENTED = ("gpuResourceName=amd.com/gpu", "watchNamespaces={team-a,team-b}",
               "leaderElection.leaseDurationSeconds=30", "leaderElection.renewDeadlineSeconds=20",
               "leaderElection.retryPeriodSeconds=4", "imagePullSecrets[0].name=registry",
               "tolerations[0].key=dedicated", "tolerations[0].operator=Exists",
-              "nodeSelector.pool=system", "replicaCount=2")
+              "nodeSelector.pool=system", "replicaCount=2",
+              "operator.tenantIO.endpointDeadlineSeconds=5",
+              "operator.tenantIO.readsPerNamespace=2",
+              "operator.tenantIO.dnsNameservers={10.0.0.10:5353,fd00::53}")
 
 
 @needs_helm
@@ -334,6 +341,9 @@ def test_chart_default_and_documented_overrides_render():
     assert env["ASYNCGRPO_OPERATOR_GPU_RESOURCE_NAME"] == "amd.com/gpu"
     assert env["ASYNCGRPO_OPERATOR_LEASE_DURATION"] == "30"
     assert dep["spec"]["replicas"] == 2
+    assert (env["ASYNCGRPO_OPERATOR_ENDPOINT_DEADLINE_SECONDS"],
+            env["ASYNCGRPO_OPERATOR_ENDPOINT_READS_PER_NAMESPACE"],
+            env["ASYNCGRPO_OPERATOR_DNS_NAMESERVERS"]) == ("5", "2", "10.0.0.10:5353,fd00::53")
     assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry"}]
     assert dep["spec"]["template"]["spec"]["tolerations"] == [
         {"key": "dedicated", "operator": "Exists"}]

@@ -134,7 +134,8 @@ def test_missing_secret_and_unreachable_store_are_conditions(api, ns, s3_server)
     assert cond["status"] == "False" and "later" in cond["message"]
     assert api.run(ns, "nosecret")["status"]["phase"] == "Pending"
     assert api.condition(ns, "nosecret", "Degraded")["reason"] == "SecretNotFound"
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "later", "namespace": ns},
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "later", "namespace": ns,
+                                                               "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
               "stringData": {"AWS_ACCESS_KEY_ID": s3_server.access_key,
                              "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}}
     api.create(secret)

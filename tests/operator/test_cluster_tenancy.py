@@ -160,7 +160,7 @@ def test_a_run_around_another_runs_folder_never_empties_it(api, ns, s3_server):
 
 def test_non_utf8_secret_is_a_condition_and_the_run_stays_deletable(api, ns, s3_server):
     api.create({"apiVersion": "v1", "kind": "Secret",
-                "metadata": {"name": "binary", "namespace": ns},
+                "metadata": {"name": "binary", "namespace": ns, "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
                 "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(b"\xff\xfe").decode(),
                          "AWS_SECRET_ACCESS_KEY": base64.b64encode(b"x").decode()}})
     run = make_run(s3_server, ns, "binary")

@@ -22,6 +22,9 @@ class Recorder:
     def get(self, kind, ns, name):
         return self.secret if kind == "Secret" else None
 
+    def secret_kind(self, ns, name):   # the credentials Secret: marked as S3 credentials
+        return "Opaque", {"asyncgrpo.dev/s3-credentials": "true"}
+
     def create(self, obj):
         self.writes.append(("create", obj))
         return obj

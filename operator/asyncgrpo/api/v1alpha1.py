@@ -530,6 +530,12 @@ class AdapterStoreSpec(Model):
         default="Retain",
         description="On run deletion: Retain keeps the run's objects, Delete removes them.",
     )
+    reclaim_retained_folder: bool = Field(
+        default=False,
+        description="Take back the folder a deleted run of the same namespace and name left "
+        "behind (deletionPolicy Retain) and resume from its checkpoints; without it such a "
+        "folder is refused FolderOwnedByAnotherRun. Only a folder whose ownership marker "
+        "names this namespace and name is taken.")
     bucket_job_pod: PodSettings = Field(
         default_factory=PodSettings,
         description="Placement and extras of the bucket setup and cleanup Jobs' pods, over "

@@ -28,6 +28,7 @@ import socket
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -85,12 +86,34 @@ def credentials_from_env(env: Mapping[str, str]) -> Credentials | None:
 TIMEOUT_SECONDS = 3.0
 
 
-#: Cloud metadata servers outside 169.254.0.0/16 and fe80::/10: AWS's IPv6 one
-#: (fd00:ec2::254) and Alibaba's (100.100.100.200). The Jobs' NetworkPolicy excepts them too.
+#: Cloud metadata (and host agent) servers outside 169.254.0.0/16 and fe80::/10: AWS's IPv6
+#: one (fd00:ec2::254), GCP's IPv6 one (fd20:ce::254), Oracle Cloud's IPv6 one
+#: (fd00:c1::a9fe:a9fe), Alibaba's (100.100.100.200) and Azure's WireServer
+#: (168.63.129.16). GCP, Azure, OpenStack, DigitalOcean, Hetzner and Tencent serve theirs
+#: on 169.254/16 (Tencent: 169.254.0.23). The Jobs' NetworkPolicy excepts them all
+#: (`metadata_excepts`).
 METADATA_NETWORKS = (ipaddress.ip_network("fd00:ec2::254/128"),
-                     ipaddress.ip_network("100.100.100.200/32"))
+                     ipaddress.ip_network("fd20:ce::254/128"),
+                     ipaddress.ip_network("fd00:c1::a9fe:a9fe/128"),
+                     ipaddress.ip_network("100.100.100.200/32"),
+                     ipaddress.ip_network("168.63.129.16/32"))
+_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
 #: NAT64 (64:ff9b::/96) carries an IPv4 address in its last 32 bits.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def metadata_excepts() -> tuple[list[str], list[str]]:
+    """(IPv4, IPv6) CIDRs a NetworkPolicy must except to close every metadata address in
+    every spelling `is_metadata_address` refuses: the IPv4 ones also as NAT64
+    (64:ff9b::a.b.c.d) and IPv4-compatible (::a.b.c.d) IPv6. IPv4-mapped ::ffff:a.b.c.d is
+    IPv4 on the wire (and the API server refuses it as an IPv6 except)."""
+    v4 = [n for n in _LINK_LOCAL + METADATA_NETWORKS if n.version == 4]
+    v6 = [str(n) for n in _LINK_LOCAL + METADATA_NETWORKS if n.version == 6]
+    for n in v4:
+        for base in (int(_NAT64.network_address), 0):
+            v6.append(str(ipaddress.IPv6Network((base + int(n.network_address),
+                                                 96 + n.prefixlen))))
+    return [str(n) for n in v4], v6
 
 
 def is_metadata_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -273,24 +296,112 @@ def _read_marker(s3, store: AdapterStoreSpec, key: str) -> str | None:
         return ""
 
 
-def _nested_markers(s3, store: AdapterStoreSpec, folder: str) -> list[str]:
-    """Folders strictly below `folder` that hold another run's marker."""
+@dataclass(frozen=True)
+class Marker:
+    """One ownership marker as the store holds it: whose (uid "" when unreadable) and when
+    the store wrote it (its LastModified, as listed)."""
+
+    key: str
+    uid: str
+    namespace: str
+    name: str
+    written: datetime
+    etag: str
+
+
+#: S3 error codes of a store that does not support conditional writes (`If-None-Match`).
+_NO_CONDITIONAL = {"NotImplemented", "501", "InvalidArgument", "InvalidRequest"}
+#: ... and of a conditional write that lost to another one.
+_PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+
+
+def _code(err: ClientError) -> str:
+    return str(err.response.get("Error", {}).get("Code"))
+
+
+def _marker(s3, store: AdapterStoreSpec, key: str) -> Marker | None:
+    """The marker at `key` with its listed LastModified, None when there is none. Listed, not
+    read with HEAD: listings and HEAD give the time at different precisions, and every marker
+    compared must come from the same clock and precision."""
+    listed = s3.list_objects_v2(Bucket=store.bucket, Prefix=key, MaxKeys=1).get("Contents")
+    if not listed or listed[0]["Key"] != key:
+        return None
+    try:
+        got = s3.get_object(Bucket=store.bucket, Key=key)
+    except ClientError as err:
+        if _code(err) in ("NoSuchKey", "404"):
+            return None
+        raise
+    body = got["Body"].read(4096)
+    try:
+        doc = json.loads(body)
+        uid, ns, nm = (str(doc.get(k) or "") for k in ("uid", "namespace", "name"))
+    except (ValueError, AttributeError):
+        uid = ns = nm = ""
+    return Marker(key, uid, ns, nm, listed[0]["LastModified"], str(got.get("ETag") or ""))
+
+
+def _nested_markers(s3, store: AdapterStoreSpec, folder: str) -> list[Marker]:
+    """Markers strictly below `folder` (other runs' folders inside it)."""
     out = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket,
                                                              Prefix=folder):
         for o in page.get("Contents", []):
             key = o["Key"]
             if key.endswith("/" + layout.OWNER_MARKER) and key != folder + layout.OWNER_MARKER:
-                out.append(key[:-len(layout.OWNER_MARKER)])
+                out.append(Marker(key, "", "", "", o["LastModified"], ""))
     return out
 
 
-def _enclosing_owner(s3, store: AdapterStoreSpec, folder: str) -> str | None:
-    """The nearest folder above `folder` that holds a run's marker, if any."""
-    for parent in reversed(layout.ancestors(folder)):
-        if _read_marker(s3, store, parent + layout.OWNER_MARKER) is not None:
-            return parent
-    return None
+def _enclosing_markers(s3, store: AdapterStoreSpec, folder: str) -> list[Marker]:
+    """Markers of folders above `folder`, nearest first."""
+    found = (_marker(s3, store, parent + layout.OWNER_MARKER)
+             for parent in reversed(layout.ancestors(folder)))
+    return [m for m in found if m is not None]
+
+
+def _folder(marker: Marker) -> str:
+    return marker.key[:-len(layout.OWNER_MARKER)]
+
+
+def _write_marker(s3, store: AdapterStoreSpec, key: str, owner: Owner,
+                  if_match: str | None = None) -> bool:
+    """Write the marker only where none is (`If-None-Match: *`), or over the one with ETag
+    `if_match`: False when another write won. A store that does not support conditional
+    writes gets a plain write (the documented fallback: the caller read first, and reads
+    back after)."""
+    kw: dict[str, Any] = {"Bucket": store.bucket, "Key": key, "Body": owner.marker(),
+                          "ContentType": "application/json"}
+    try:
+        s3.put_object(**kw, **({"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}))
+        return True
+    except ClientError as err:
+        code = _code(err)
+        if code in _PRECONDITION:
+            return False
+        if code not in _NO_CONDITIONAL:
+            raise
+    s3.put_object(**kw)
+    return True
+
+
+def _claim_conflict(reason: str, store: AdapterStoreSpec, folder: str, other: str) -> BucketError:
+    if reason == "FolderInsideAnotherRun":
+        return BucketError(reason, f"s3://{store.bucket}/{folder} lies inside another run's "
+                           f"folder {other}: choose another prefix")
+    return BucketError(reason, f"s3://{store.bucket}/{folder} contains another run's folder "
+                       f"{other}: choose another prefix")
+
+
+def _owned_by_another(store: AdapterStoreSpec, folder: str, found: Marker,
+                      owner: Owner) -> BucketError:
+    hint = ""
+    if (found.namespace, found.name) == (owner.namespace, owner.name):
+        hint = (" (a deleted run of this namespace and name retained it: set "
+                "spec.adapterStore.reclaimRetainedFolder to take it back and resume)")
+    return BucketError("FolderOwnedByAnotherRun", f"s3://{store.bucket}/{folder} belongs to "
+                       f"another run (its ownership marker holds another uid){hint}; use "
+                       "another name or prefix, or remove that folder")
 
 
 def run_folder(store: AdapterStoreSpec, owner: Owner) -> str:
@@ -301,34 +412,55 @@ def run_folder(store: AdapterStoreSpec, owner: Owner) -> str:
 
 
 def setup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
-                     owner: Owner) -> bool:
+                     owner: Owner, reclaim: bool = False) -> bool:
     """Ensure the bucket and claim the run folder with the ownership marker.
 
     Refused (BucketError) when the folder holds another run's marker, sits inside another
     run's folder, or contains one. Idempotent for the same run. True if the bucket was created.
+
+    The claim is atomic (docs/security.md, "Bucket folders"): the marker is written with
+    `If-None-Match: *`, so of two runs claiming one folder exactly one write lands; and it is
+    written *before* the folders above and below are checked, so of two runs nesting into
+    each other at once the later writer always sees the earlier one's marker. The older
+    marker (the store's LastModified) keeps the folder; a run whose fresh marker is not older
+    than a conflicting one removes its own and is refused (at the same instant both are:
+    their next setups, one after the other, settle it). A store that ignores or refuses
+    conditional writes gets the fallback: read before writing and read back after, which
+    leaves a window of one round trip for two claims of the very same folder.
+
+    `reclaim` (spec.adapterStore.reclaimRetainedFolder): a folder whose marker names this
+    run's namespace and name with another uid (a run of this name deleted with Retain) is
+    taken over, by a write conditional on that marker's ETag.
     """
     folder = run_folder(store, owner)
+    key = folder + layout.OWNER_MARKER
     created = ensure_bucket(store, creds)
     s3 = client(store, creds)
 
     def claim() -> None:
-        found = _read_marker(s3, store, folder + layout.OWNER_MARKER)
-        if found is not None and found != owner.uid:
-            raise BucketError("FolderOwnedByAnotherRun", f"s3://{store.bucket}/{folder} "
-                              "belongs to another run (its ownership marker holds another "
-                              "uid); use another name or prefix, or remove that folder")
-        above = _enclosing_owner(s3, store, folder)
-        if above is not None:
-            raise BucketError("FolderInsideAnotherRun", f"s3://{store.bucket}/{folder} lies "
-                              f"inside another run's folder {above}: choose another prefix")
-        below = _nested_markers(s3, store, folder)
-        if below:
-            raise BucketError("FolderContainsAnotherRun", f"s3://{store.bucket}/{folder} "
-                              f"contains another run's folder {below[0]}: choose another "
-                              "prefix")
+        found = _marker(s3, store, key)   # read first: the fallback's guard
+        wrote = False
         if found is None:
-            s3.put_object(Bucket=store.bucket, Key=folder + layout.OWNER_MARKER,
-                          Body=owner.marker(), ContentType="application/json")
+            wrote = _write_marker(s3, store, key, owner)
+            found = _marker(s3, store, key)
+        if found is not None and found.uid != owner.uid and reclaim and \
+                (found.namespace, found.name) == (owner.namespace, owner.name):
+            wrote = _write_marker(s3, store, key, owner, if_match=found.etag)
+            found = _marker(s3, store, key)
+        if found is None:
+            raise BucketError("FolderClaimConflict", f"s3://{store.bucket}/{folder}: its "
+                              "ownership marker went away while it was claimed; retried")
+        if found.uid != owner.uid:
+            raise _owned_by_another(store, folder, found, owner)
+        for reason, others in (("FolderInsideAnotherRun", _enclosing_markers(s3, store, folder)),
+                               ("FolderContainsAnotherRun", _nested_markers(s3, store, folder))):
+            # a marker written after ours yields to ours (its own setup sees ours and backs
+            # off); one written before or at the same time keeps its folder
+            older = [m for m in others if m.written <= found.written]
+            if older:
+                if wrote:
+                    s3.delete_object(Bucket=store.bucket, Key=key)
+                raise _claim_conflict(reason, store, folder, _folder(older[0]))
 
     _safe(store, "claiming the run folder in", claim)
     return created
@@ -356,11 +488,12 @@ def cleanup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
             whose = "no" if found is None else "another run's"
             raise BucketError("NotOwner", f"s3://{store.bucket}/{folder} has {whose} "
                               "ownership marker: nothing deleted")
-        above = _enclosing_owner(s3, store, folder)
-        if above is not None:
+        above = _enclosing_markers(s3, store, folder)
+        if above:
             raise BucketError("FolderInsideAnotherRun", f"s3://{store.bucket}/{folder} lies "
-                              f"inside another run's folder {above}: nothing deleted")
-        others = tuple(_nested_markers(s3, store, folder))
+                              f"inside another run's folder {_folder(above[0])}: nothing "
+                              "deleted")
+        others = tuple(_folder(m) for m in _nested_markers(s3, store, folder))
         marker = folder + layout.OWNER_MARKER
         deleted = 0
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket,

@@ -61,7 +61,8 @@ def execute(action: str, env: Mapping[str, str]) -> tuple[int, str]:
         bucket.check_endpoint(store, allow)   # resolving names, from this pod
         creds = bucket.credentials_from_env(env)
         if action == "setup":
-            created = bucket.setup_run_folder(store, creds, owner)
+            created = bucket.setup_run_folder(
+                store, creds, owner, reclaim=env.get(wire.RECLAIM_RETAINED_ENV, "").lower() == "true")
             folder = bucket.run_folder(store, owner)
             return 0, (f"{'created bucket ' + repr(store.bucket) + ', ' if created else ''}"
                        f"claimed s3://{store.bucket}/{folder}")

@@ -46,6 +46,13 @@ ACTIONS = {SETUP: "setup", CLEANUP: "cleanup"}
 #: to the condition reasons the operator used when it read the Secret itself.
 _CONFIG_ERRORS = ((re.compile(r"secret .* not found", re.IGNORECASE), "SecretNotFound"),
                   (re.compile(r"couldn't find key", re.IGNORECASE), "SecretKeyMissing"))
+#: What marks a Secret as S3 credentials a run may name in spec.adapterStore.credentialsSecret
+#: (docs/security.md): this label, on a Secret of one of these types. A tenant who may create
+#: runs but not read Secrets could otherwise have the Job send any Secret of the namespace
+#: (a ServiceAccount token, a registry password, a TLS key) as the access key to an endpoint
+#: of theirs.
+S3_SECRET_LABEL = "asyncgrpo.dev/s3-credentials"
+S3_SECRET_TYPES = frozenset({"Opaque", "asyncgrpo.dev/s3-credentials"})
 _IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
 _REASON = re.compile(r"^([A-Z][A-Za-z0-9]{1,63}): (.+)$", re.DOTALL)
 
@@ -75,6 +82,7 @@ def build_job(run: AsyncGRPORun, component: str, uid: str, js: JobSettings) -> d
         {"name": wire.RUN_UID_ENV, "value": uid},
         {"name": wire.CREATE_BUCKET_ENV, "value": "true" if store.create_bucket else "false"},
         {"name": wire.ALLOWED_ENDPOINTS_ENV, "value": ",".join(js.allowed_endpoints)},
+        {"name": wire.RECLAIM_RETAINED_ENV, "value": "true" if store.reclaim_retained_folder else "false"},
         {"name": "HOME", "value": "/tmp"},
     ]
     container = {
@@ -169,3 +177,19 @@ def outcome(job: Child, pods: list[Child]) -> Outcome:
             return Outcome("failed", p.problem, f"the bucket Job cannot start: "
                            f"{p.problem_message}", job.uid)
     return Outcome("running", uid=job.uid)
+
+
+def credentials_refusal(found: tuple[str, dict[str, str]] | None, name: str
+                        ) -> tuple[str, str] | None:
+    """(reason, message) when the Secret (its type and labels, `Kube.secret_kind`) may not be
+    sent as S3 credentials; None when it may, or is missing (the Job says SecretNotFound)."""
+    if found is None:
+        return None
+    type_, labels = found
+    if type_ not in S3_SECRET_TYPES:
+        return ("SecretNotAllowed", (f"Secret {name} is of type {type_ or 'unknown'}: S3 "
+                "credentials must be a Secret of type Opaque (or asyncgrpo.dev/s3-credentials)"))
+    if labels.get(S3_SECRET_LABEL) != "true":
+        return ("SecretNotAllowed", (f"Secret {name} is not labelled {S3_SECRET_LABEL}=true: "
+                "only a Secret marked as S3 credentials is sent to the endpoint"))
+    return None

@@ -91,6 +91,28 @@ def register(subparsers) -> None:
                    default=float(_env("CLEANUP_TIMEOUT_SECONDS", "600") or 600),
                    help="seconds a deleted run's bucket cleanup may take before it is given "
                         "up with a Warning event")
+    # reads of tenants' endpoints and names (controller.tenant_io, docs/security.md)
+    for flag, env, default, what in (
+            ("endpoint-deadline", "ENDPOINT_DEADLINE_SECONDS", 3.0,
+             "seconds one exchange with a tenant's endpoint may take, connect to last byte"),
+            ("endpoint-wait", "ENDPOINT_WAIT_SECONDS", 1.0,
+             "seconds one reconcile waits in all for endpoints that answered in time before"),
+            ("dns-deadline", "DNS_DEADLINE_SECONDS", 2.0,
+             "seconds one lookup of an allowedEgressHosts name may take"),
+            ("dns-refresh", "DNS_REFRESH_SECONDS", 60.0,
+             "seconds an allowedEgressHosts answer is kept before it is looked up again")):
+        p.add_argument(f"--{flag}", type=float, default=float(_env(env, str(default)) or default),
+                       help=f"{what} [env {E}{env}]")
+    for flag, env, default, what in (
+            ("endpoint-reads-per-namespace", "ENDPOINT_READS_PER_NAMESPACE", 4,
+             "exchanges with one namespace's endpoints at once"),
+            ("endpoint-reads-total", "ENDPOINT_READS_TOTAL", 64,
+             "exchanges with tenants' endpoints at once, all namespaces")):
+        p.add_argument(f"--{flag}", type=int, default=int(_env(env, str(default)) or default),
+                       help=f"{what} [env {E}{env}]")
+    p.add_argument("--dns-nameservers", default=_env("DNS_NAMESERVERS", ""),
+                   help="comma list of DNS servers (ip or ip:port) for tenant-chosen names; "
+                        f"empty: the system's [env {E}DNS_NAMESERVERS]")
     for flag, default, what in (("sandboxes-per-run", 256, "sandbox pods of one run"),
                                 ("sandboxes-per-namespace", 512,
                                  "sandbox pods of all runs of one namespace"),
@@ -159,6 +181,18 @@ def run_operator(args: argparse.Namespace) -> int:
     settings.bucket_job_pull_policy = args.bucket_job_pull_policy
     settings.bucket_recheck_seconds = args.bucket_recheck_seconds
     settings.preflight = args.preflight
+    for positive in ("endpoint_deadline", "endpoint_wait", "dns_deadline", "dns_refresh",
+                     "endpoint_reads_per_namespace", "endpoint_reads_total"):
+        if getattr(args, positive) <= 0:
+            raise SystemExit(f"asyncgrpo operator: --{positive.replace('_', '-')} must be "
+                             "above 0")
+    settings.endpoint_deadline_seconds = args.endpoint_deadline
+    settings.endpoint_wait_seconds = args.endpoint_wait
+    settings.dns_deadline_seconds = args.dns_deadline
+    settings.dns_refresh_seconds = args.dns_refresh
+    settings.endpoint_reads_per_namespace = args.endpoint_reads_per_namespace
+    settings.endpoint_reads_total = args.endpoint_reads_total
+    settings.dns_nameservers = [n.strip() for n in args.dns_nameservers.split(",") if n.strip()]
     settings.caps = Caps(sandboxes_per_run=args.cap_sandboxes_per_run,
                          sandboxes_per_namespace=args.cap_sandboxes_per_namespace,
                          vllm_replicas=args.cap_vllm_replicas,

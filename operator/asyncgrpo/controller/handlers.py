@@ -258,6 +258,29 @@ def _create_cleanup_job(rt: Runtime, job: dict[str, Any]) -> tuple[str, str] | N
     return None
 
 
+def _setup_running(rt: Runtime, ns: str, run_name: str, uid: str,
+                   children: list[observe.Child]) -> bool:
+    """Delete the run's own setup Job (never one it does not own); True while it or a pod of
+    it may still run."""
+    job_name = child_name(run_name, bucketjob.SETUP)
+    job = next((c for c in children if c.kind == "Job" and c.name == job_name
+                and uid and c.owner_uid == uid), None)
+    if job is not None and not job.deleting:
+        rt.kube.delete("Job", ns, job_name, propagation="Background")
+    live = [c for c in children if c.kind == "Pod" and c.component == bucketjob.SETUP
+            and c.phase not in ("Succeeded", "Failed")
+            and (job is None or c.owner_uid in (None, "", job.uid))]
+    return bool(live) or (job is not None and job.phase not in ("Complete", "Failed"))
+
+
+def _has_workload_account(rt: Runtime, ns: str, run_name: str,
+                          children: list[observe.Child]) -> bool:
+    account = child_name(run_name, rbac.WORKLOAD)
+    if any(c.kind == "ServiceAccount" and c.name == account for c in children):
+        return True
+    return rt.kube.get("ServiceAccount", ns, account) is not None   # the index may lag
+
+
 def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
               **kwargs: Any) -> None:
     """Apply deletionPolicy Delete to the run's own folder by a cleanup Job, never blocking.
@@ -286,6 +309,17 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
         kopf.event(body, type=type_, reason=reason, message=message)
         finish()
 
+    waited = _deleting_for(body)
+    timeout = rt.settings.cleanup_timeout_seconds
+    skip = str(body.metadata.annotations.get(SKIP_CLEANUP, "")).lower() == "true"
+    if _setup_running(rt, ns, body.metadata.name, str(body.metadata.get("uid") or ""),
+                      children) and not skip:
+        # a setup running beside the cleanup (or after the run is gone) would write its
+        # marker into an emptied folder: stop it, and wait until its pod has ended
+        if waited < timeout:
+            raise kopf.TemporaryError("waiting for the bucket setup Job to stop", delay=2)
+        kopf.event(body, type="Warning", reason="SetupNotStopped", message=(
+            f"the bucket setup Job did not stop in {timeout:.0f} s"))
     run, _errors = reconcile.validate_run(reconcile.run_document(dict(body)))
     if run is None:
         if ((body.spec or {}).get("adapterStore") or {}).get("deletionPolicy") == "Delete":
@@ -294,8 +328,14 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
         return finish()
     if run.spec.adapter_store.deletion_policy != "Delete":
         return finish()
-    if str(body.metadata.annotations.get(SKIP_CLEANUP, "")).lower() == "true":
+    if skip:
         return done("Warning", "CleanupSkipped", f"bucket objects kept: {SKIP_CLEANUP} is set")
+    if not _has_workload_account(rt, ns, body.metadata.name, children):
+        # every writer of the run's folder (setup Job, trainer) runs as this account, which
+        # holds the cleanup finalizer: without it nothing of this run ever wrote (a run
+        # refused OverCap or InvalidSpec), and no cleanup Job could run either
+        return done("Normal", "CleanupSkipped", "nothing to clean: the run never set its "
+                    "bucket folder up")
     uid = str(body.metadata.get("uid") or "")
     try:
         bucket.check_endpoint(run.spec.adapter_store, rt.settings.allowed_endpoints,
@@ -303,8 +343,6 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
         bucket.run_folder(run.spec.adapter_store, reconcile.owner_of(run, uid))
     except bucket.BucketError as e:
         return done("Warning", e.reason, f"bucket objects kept: {e.message}")
-    waited = _deleting_for(body)
-    timeout = rt.settings.cleanup_timeout_seconds
 
     def give_up(why: str) -> None:
         done("Warning", "CleanupAbandoned", f"bucket objects kept: the cleanup did not "
@@ -323,6 +361,8 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     if job is None or job.deleting:
         if waited >= timeout:
             return give_up("no cleanup Job could run")
+        if job is None and (refused := reconcile.credentials_refusal(rt, run)):
+            return done("Warning", refused[0], f"bucket objects kept: {refused[1]}")
         if job is None and (refused := _create_cleanup_job(rt, desired)):
             return done("Warning", refused[0], f"bucket objects kept: {refused[1]}")
         raise kopf.TemporaryError("waiting for the bucket cleanup Job", delay=2)

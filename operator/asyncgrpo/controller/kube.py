@@ -114,6 +114,29 @@ class Kube:
                 return None
             raise
 
+    def secret_kind(self, namespace: str, name: str) -> tuple[str, dict[str, str]] | None:
+        """A Secret's type and labels, None when there is none; never its data: the API
+        server's Table view (columns and PartialObjectMetadata only)."""
+        m, full, headers, data, post = self.api.param_serialize(
+            "GET", path("Secret", namespace, name), query_params=[("includeObject", "Metadata")],
+            header_params={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+            auth_settings=["BearerToken"])
+        resp = self.api.call_api(m, full, header_params=headers, body=data, post_params=post,
+                                 _request_timeout=30)
+        resp.read()
+        if resp.status == 404:
+            return None
+        if not 200 <= resp.status < 300:
+            raise ApiException(http_resp=resp)
+        table = json.loads(resp.data)
+        columns = [c.get("name") for c in table.get("columnDefinitions") or []]
+        row = (table.get("rows") or [{}])[0]
+        cells = row.get("cells") or []
+        type_ = str(cells[columns.index("Type")]) if "Type" in columns and \
+            columns.index("Type") < len(cells) else ""
+        labels = ((row.get("object") or {}).get("metadata") or {}).get("labels") or {}
+        return type_, {str(k): str(v) for k, v in labels.items()}
+
     def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """Create; None if it already exists (a cache that lagged behind an earlier create)."""
         kind, ns = obj["kind"], obj["metadata"]["namespace"]

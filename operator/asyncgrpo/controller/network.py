@@ -21,7 +21,7 @@ import ipaddress
 from typing import Any
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.controller import bucketjob, gateway, sandboxes, trainer, vllm
+from asyncgrpo.controller import bucket, bucketjob, gateway, sandboxes, trainer, vllm
 from asyncgrpo.controller.common import COMPONENT_LABEL, metadata, name, selector, stamp
 from asyncgrpo.wire import GATEWAY_PORT, PULLER_PORT, SANDBOX_PORT, VLLM_PORT
 
@@ -101,15 +101,11 @@ def build_bucket_policy(run: AsyncGRPORun) -> dict[str, Any]:
     else:
         dns = {"to": [KUBE_DNS_PEER], "ports": [{"protocol": "UDP", "port": 53},
                                                 {"protocol": "TCP", "port": 53}]}
-        # metadata servers in every spelling: link-local, AWS's IPv6, Alibaba's, NAT64 and
-        # IPv4-compatible forms of 169.254/16 (bucket.is_metadata_address); IPv4-mapped
-        # ::ffff:a.b.c.d is IPv4 on the wire (covered by 169.254/16), and the API server
-        # refuses it as an IPv6 except
-        anywhere = [{"ipBlock": {"cidr": "0.0.0.0/0", "except": [
-                        "169.254.0.0/16", "100.100.100.200/32"]}},
-                    {"ipBlock": {"cidr": "::/0", "except": [
-                        "fe80::/10", "fd00:ec2::254/128", "64:ff9b::a9fe:0/112",
-                        "::a9fe:0/112"]}}]
+        # metadata servers in every spelling (bucket.metadata_excepts): link-local, the
+        # clouds' other addresses, and their NAT64 and IPv4-compatible IPv6 forms
+        v4, v6 = bucket.metadata_excepts()
+        anywhere = [{"ipBlock": {"cidr": "0.0.0.0/0", "except": v4}},
+                    {"ipBlock": {"cidr": "::/0", "except": v6}}]
         egress = [dns, {"to": anywhere, "ports": [
             {"protocol": "TCP", "port": p} for p in bucketjob.endpoint_ports(store.endpoint)]}]
     return stamp({

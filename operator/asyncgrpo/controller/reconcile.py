@@ -162,7 +162,12 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     support = [o for o in desired_children(bool(conflicts))
                if o["kind"] not in ownership.WORKLOAD_KINDS]
     obs.apply_errors = _apply(rt, state, body, support, children, foreign, conflicts, uid)
-    workloads = [o for o in desired_children(bool(conflicts))
+    # the trainer's config refused (a spec too large for a ConfigMap): nothing may start
+    # without it, the run says why
+    obs.config_refused = next((e for e in obs.apply_errors
+                               if e[1].startswith(f"ConfigMap {name}-")), None)
+    hold = bool(conflicts) or obs.config_refused is not None
+    workloads = [o for o in desired_children(hold)
                  if o["kind"] in ownership.WORKLOAD_KINDS]
     obs.apply_errors += _apply(rt, state, body, workloads, children, foreign, conflicts, uid,
                                prune=False)
@@ -185,7 +190,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
             rt.kube.delete("Pod", ns, pod)
     else:
         obs.sandboxes, spawned, pool_error = _scale_pool(
-            rt, state, body, run, children, stopped or bool(conflicts), foreign, conflicts,
+            rt, state, body, run, children, stopped or hold, foreign, conflicts,
             uid, budget, obs)
         obs.pool_error = pool_error
         # the body may predate our last status patch: the count lives in memory too
@@ -297,6 +302,16 @@ def _record_bucket(state: RunState, key: str, result: bucketjob.Outcome) -> None
                                                    BUCKET_RETRY_MAX_SECONDS)
 
 
+def credentials_refusal(rt: Runtime, run: AsyncGRPORun) -> tuple[str, str] | None:
+    """Why the run's credentialsSecret may not be sent (`bucketjob.credentials_refusal`),
+    from its type and labels only: the operator never reads a credentials Secret's data."""
+    ref = run.spec.adapter_store.credentials_secret
+    if ref is None:
+        return None
+    return bucketjob.credentials_refusal(
+        rt.kube.secret_kind(run.metadata.namespace or "default", ref.name), ref.name)
+
+
 def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation,
                   uid: str, children: list[Child]) -> tuple[str, dict[str, Any]] | None:
     """Read the setup Job (`bucketjob`) and say what to do with it: ("create", job),
@@ -325,7 +340,12 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
     now = time.monotonic()
     if job is None:
         if state.bucket_failed_for != key or now >= state.bucket_retry_at:
-            action = ("create", desired)
+            refused = credentials_refusal(rt, run)
+            if refused is None:
+                action = ("create", desired)
+            else:   # counted as a failed setup: reported, retried after the backoff
+                _record_bucket(state, key, bucketjob.Outcome("failed", *refused,
+                                                             uid=f"secret@{now}"))
     elif job.deleting:
         pass
     elif job.hash != key:

@@ -55,6 +55,8 @@ class Observation:
     served_weights: ServedWeights | None = None
     #: (kind, name) of children whose names are held by objects that are not the run's
     conflicts: list[tuple[str, str]] = field(default_factory=list)
+    #: (reason, message) of the refused write of the run's ConfigMap: nothing starts
+    config_refused: tuple[str, str] | None = None
     #: (reason, message): a tenant endpoint that was slow, too large or malformed, names
     #: that did not resolve, a token Secret that cannot be read (controller.tenant_io)
     endpoint_problems: list[tuple[str, str]] = field(default_factory=list)
@@ -184,6 +186,10 @@ def _conditions_and_phase(spec: AsyncGRPORunSpec, obs: Observation, old: dict[st
                          if c["status"] == "False" and c["reason"] not in _ON_THE_WAY), None)
     if degraded is None and obs.endpoint_problems:
         degraded = obs.endpoint_problems[0]
+    if obs.config_refused is not None:
+        why = f"{obs.config_refused[0]}: {obs.config_refused[1][:300]}"
+        degraded = ("ConfigRefused", (f"the run's ConfigMap was refused ({why}); nothing "
+                    "starts without it: make the spec smaller (a ConfigMap holds at most 1 MiB)"))
     if obs.conflicts:
         from asyncgrpo.controller.ownership import message
 
@@ -194,7 +200,8 @@ def _conditions_and_phase(spec: AsyncGRPORunSpec, obs: Observation, old: dict[st
     elif spec.suspend:
         phase = SUSPENDED
     elif obs.bucket_error is not None or bucket_pending or obs.conflicts \
-            or (preflight_pending and trainer["status"] != "True"):
+            or (preflight_pending and trainer["status"] != "True") \
+            or obs.config_refused is not None:
         phase = PENDING
     elif trainer["status"] == "True":
         phase = RUNNING

@@ -455,8 +455,12 @@ def setup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
         for reason, others in (("FolderInsideAnotherRun", _enclosing_markers(s3, store, folder)),
                                ("FolderContainsAnotherRun", _nested_markers(s3, store, folder))):
             # a marker written after ours yields to ours (its own setup sees ours and backs
-            # off); one written before or at the same time keeps its folder
-            older = [m for m in others if m.written <= found.written]
+            # off); one written before keeps its folder. The store's clock has one-second
+            # steps, so a tie is common: two claims written now both yield (their next setups
+            # settle it), but a marker that was ours before this setup keeps its folder
+            # against a newcomer of the same second, whose own setup yields to it
+            older = [m for m in others
+                     if m.written < found.written or (wrote and m.written == found.written)]
             if older:
                 if wrote:
                     s3.delete_object(Bucket=store.bucket, Key=key)

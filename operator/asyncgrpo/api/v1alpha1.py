@@ -519,7 +519,9 @@ class AdapterStoreSpec(Model):
                         description="Bucket region.")
     credentials_secret: SecretKeyRef | None = Field(
         default=None,
-        description="Secret with S3 credentials; empty uses the pods' ambient identity (IRSA...).",
+        description="Secret with S3 credentials, of type Opaque and labelled "
+        "asyncgrpo.dev/s3-credentials=\"true\" (any other Secret is refused: SecretNotAllowed); "
+        "empty uses the pods' ambient identity (IRSA...).",
     )
     create_bucket: bool = Field(default=True, description="Create the bucket if it is missing.")
     retention: int = Field(

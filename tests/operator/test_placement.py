@@ -353,3 +353,30 @@ def test_an_unschedulable_bucket_setup_pod_says_why_the_run_waits():
     assert "untolerated taint {nvidia.com/gpu: present}" in c["BucketReady"]["message"]
     assert c["Degraded"]["reason"] == "Unschedulable"
     assert any(e.type == "Warning" and e.reason == "Unschedulable" for e in events)
+
+
+def test_the_setup_pod_turning_unschedulable_after_a_first_check_still_says_why():
+    """The run's second reconcile, when the Job's pod exists: the BucketReady it wrote at
+    the first one ("Checking", this generation) is no finding to keep, so the scheduler's
+    reason shows (it stayed "Checking" on the test node, under a taint)."""
+    from asyncgrpo.controller.observe import summarize
+    from asyncgrpo.controller.status import Observation, compute
+
+    spec = parse_run(doc_with()).spec
+    first, _ = compute(spec, Observation(generation=1, children=[]), {}, "T")
+    assert {x["type"]: x for x in first["conditions"]}["BucketReady"]["reason"] == "Checking"
+    pod = summarize({"kind": "Pod", "metadata": {"name": "r-bucket-setup-x", "labels": {
+        "app.kubernetes.io/component": "bucket-setup"}}, "status": {"phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                        "message": "0/1 nodes are available: 1 node(s) had taint "
+                                   "{nvidia.com/gpu: present}, that the pod didn't "
+                                   "tolerate."}]}})
+    status, _ = compute(spec, Observation(generation=1, children=[pod]), first, "T")
+    c = {x["type"]: x for x in status["conditions"]}
+    assert c["BucketReady"]["reason"] == "Unschedulable", c["BucketReady"]
+    assert "nvidia.com/gpu" in c["BucketReady"]["message"]
+    # and once it is scheduled, the condition goes back to waiting for the Job
+    scheduled = summarize({"kind": "Pod", "metadata": {"name": "r-bucket-setup-x", "labels": {
+        "app.kubernetes.io/component": "bucket-setup"}}, "status": {"phase": "Running"}})
+    later, _ = compute(spec, Observation(generation=1, children=[scheduled]), status, "T")
+    assert {x["type"]: x for x in later["conditions"]}["BucketReady"]["reason"] == "Checking"

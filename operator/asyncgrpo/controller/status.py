@@ -219,22 +219,28 @@ def _conditions_and_phase(spec: AsyncGRPORunSpec, obs: Observation, old: dict[st
     return conds, phase
 
 
+#: BucketReady reasons that say the Job has not answered yet, not what it found
+_WAITING_REASONS = frozenset({"Checking", "Unschedulable"})
+
+
 def _bucket_condition(spec: AsyncGRPORunSpec, obs: Observation,
                       old: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """BucketReady, and whether the run must still wait for the bucket."""
     prev = next((c for c in old.get("conditions") or [] if c.get("type") == "BucketReady"),
                 None)
-    if not obs.bucket_checked and prev is not None \
-            and prev.get("observedGeneration") == obs.generation:
-        # a check is in flight (an operator restart): what the last one found still
-        # stands, so a restart neither flips the condition nor holds the run
-        ok = {"True": True, "False": False}.get(prev.get("status"))
-        return _cond("BucketReady", ok, prev.get("reason", ""), prev.get("message", "")), \
-            ok is not True
     if not obs.bucket_checked:
         if (stuck := _unschedulable_setup_pod(obs.children)) is not None:
             return _cond("BucketReady", False, "Unschedulable", "the bucket setup Job's pod "
                          f"{stuck.name} cannot be scheduled: {stuck.problem_message}"), True
+        if prev is not None and prev.get("observedGeneration") == obs.generation \
+                and prev.get("reason") not in _WAITING_REASONS:
+            # a check is in flight (an operator restart): what the last one found still
+            # stands, so a restart neither flips the condition nor holds the run. Only a
+            # finding: "Checking" or "Unschedulable" kept here would hide the pod's state
+            # from every later reconcile of this generation
+            ok = {"True": True, "False": False}.get(prev.get("status"))
+            return _cond("BucketReady", ok, prev.get("reason", ""),
+                         prev.get("message", "")), ok is not True
         return _cond("BucketReady", None, "Checking", "the bucket setup Job "
                      "has not finished yet"), True
     if obs.bucket_error is not None:

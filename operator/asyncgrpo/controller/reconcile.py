@@ -142,7 +142,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     start = trainer_up or (deps_ready and obs.bucket_error is None and obs.bucket_checked
                            and preflight_ok)
     obs.trainer_gated = not start and not stopped
-    hold = not preflight_ok and not trainer_up   # vLLM and the trainer wait at zero
+    preflight_hold = not preflight_ok and not trainer_up   # vLLM and the trainer wait at zero
 
     if run.spec.sandboxes is not None:
         conflicts += _ensure_secret(rt, state, run, body, obs)
@@ -150,7 +150,8 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
 
     def desired_children(gated: bool) -> list[dict[str, Any]]:
         out = build_children(run, stopped=stopped or gated, start_trainer=start and not gated,
-                             resolved_hosts=hosts, scrapers=rt.settings.scrapers, hold=hold)
+                             resolved_hosts=hosts, scrapers=rt.settings.scrapers,
+                             hold=preflight_hold)
         for obj in out:   # written once, with the spec that passed check_run
             if obj["kind"] == "ConfigMap":
                 obj["metadata"].setdefault("annotations", {})[IDENTITY_ANNOTATION] = \

@@ -273,7 +273,7 @@ class GatewayClient:
     def score(self, lease: Lease | str, command, *, files: dict[str, str], editable: list[str],
               session: str | None = None, timeout_seconds: float | None = None,
               max_output_bytes: int | None = None) -> ScoreResult:
-        """Run the row's tests where the rollout never ran (`/v1/score`); direct data path only."""
+        """Run the row's tests where the rollout never ran (`/v1/score`), on either data path."""
         body = {"command": command, "files": files, "editable": list(editable), "session": session,
                 "timeout_seconds": timeout_seconds, "max_output_bytes": max_output_bytes}
         lease = self._lease_of(lease)

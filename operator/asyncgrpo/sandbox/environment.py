@@ -27,7 +27,6 @@ turns into an error result and counts as a tool failure.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import logging
@@ -36,6 +35,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
+from asyncgrpo.sandbox import rewards
 from asyncgrpo.sandbox.client import (
     GatewayClient,
     Heartbeats,
@@ -80,30 +80,11 @@ _COUNT = itertools.count()
 SESSION = "work"  # every rollout has a sandbox of its own: one name, so identical calls read alike
 _TEST_NAME = re.compile(r"^(test_.*|.*_test\.py|conftest\.py)$")
 
-_FAILURES: collections.Counter[str] = collections.Counter()
-_FAILURES_LOCK = threading.Lock()
-try:  # the rollout child's default registry (served where the trainer serves it)
-    from prometheus_client import Counter as _PromCounter
-
-    _PROM_FAILURES = _PromCounter("asyncgrpo_harness_reward_failures",
-                                  "get_reward calls whose sandbox failed (scored as documented)", ["reason"])
-except Exception:  # noqa: BLE001 - no prometheus_client, or registered twice: the plain counter still counts
-    _PROM_FAILURES = None
-
-
-def reward_failures(reason: str) -> int:
-    """get_reward calls of this process that failed for `reason` (sandbox_lost, sandbox_error,
-    workspace_full, no_sandbox, error)."""
-    with _FAILURES_LOCK:
-        return _FAILURES[reason]
+reward_failures = rewards.reward_failures  # one counter for get_reward and sandbox_tests
 
 
 def _count_failure(reason: str, err: BaseException) -> None:
-    with _FAILURES_LOCK:
-        _FAILURES[reason] += 1
-    if _PROM_FAILURES is not None:
-        _PROM_FAILURES.labels(reason=reason).inc()
-    log.warning("get_reward: sandbox failure (%s): %s", reason, err)
+    rewards.count_failure(reason, err, "get_reward")
 
 
 def is_test_path(path: str) -> bool:

@@ -56,6 +56,7 @@ from asyncgrpo.sandbox.messages import (
     ExecRequest,
     HeartbeatsRequest,
     LeaseRequest,
+    ScoreRequest,
     api_error_response,
     read_stream_head,
 )
@@ -78,6 +79,9 @@ log = logging.getLogger("asyncgrpo.sandbox.gateway")
 # sandbox counts its queueing in the timeout, so a sandbox silent past this is hung
 EXEC_SLACK_SECONDS = 5.0
 _FILE_CALL_SECONDS = 60.0
+# a scoring run's setup before its command starts (sweep, reading the editable files, wipe,
+# writing the row's files): waited for on top of an exec's timeout and slack
+SCORE_SETUP_SECONDS = 10.0
 _LEASE_PATH = re.compile(r"^/v1/leases/([^/]+)(/[a-z/]*)?$")
 _STREAM_PATH = re.compile(r"^/v1/leases/[^/]+/exec/stream$")
 
@@ -208,6 +212,7 @@ class Gateway:
             ("POST", "/v1/leases/{lease_id}/exec/stream", self.exec_stream),
             ("POST", "/v1/leases/{lease_id}/files/read", self.read),
             ("POST", "/v1/leases/{lease_id}/files/write", self.write),
+            ("POST", "/v1/leases/{lease_id}/score", self.score),
             ("GET", wire.GATEWAY_DEMAND_PATH, self.demand),
             ("GET", "/v1/pool", self.pool_view),
             ("POST", wire.GATEWAY_DRAIN_PATH, self.drain),
@@ -449,7 +454,15 @@ class Gateway:
         body = await request.body()
         return await self._forward(request.path_params["lease_id"], "/v1/files/write", body, _FILE_CALL_SECONDS)
 
-    def _capped_exec(self, raw: bytes) -> tuple[bytes, float]:
+    async def score(self, request: Request) -> Response:
+        """A rollout's scoring (`/v1/score`): its timeout capped like an exec's, and its answer
+        waited for a while longer (the sandbox sweeps and writes the scoring session first)."""
+        body, timeout = self._capped_exec(await request.body(), ScoreRequest)
+        if timeout != _FILE_CALL_SECONDS:
+            timeout += SCORE_SETUP_SECONDS
+        return await self._forward(request.path_params["lease_id"], "/v1/score", body, timeout)
+
+    def _capped_exec(self, raw: bytes, model=ExecRequest) -> tuple[bytes, float]:
         """The exec with its timeout capped at ours, and how long to wait for its answer.
 
         The sandbox must give up before we do, so a slow command ends as a timed-out result
@@ -458,11 +471,11 @@ class Gateway:
         """
         cap = self.settings.max_exec_seconds
         try:
-            req = ExecRequest.model_validate(loads(raw))
+            req = model.model_validate(loads(raw))
         except (ValueError, ValidationError):
             return raw, _FILE_CALL_SECONDS
         req.timeout_seconds = min(req.timeout_seconds or cap, cap)
-        return json.dumps(req.body()).encode(), req.timeout_seconds + EXEC_SLACK_SECONDS
+        return json.dumps(req.model_dump(exclude_unset=True)).encode(), req.timeout_seconds + EXEC_SLACK_SECONDS
 
     async def _forward(self, lease_id: str, path: str, body, timeout: float, content_type: str | None = None):
         # looked up after the last await before the call: between here and `in_flight += 1`

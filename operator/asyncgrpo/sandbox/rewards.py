@@ -8,15 +8,22 @@ gives GRPO no gradient inside a group that fails everywhere.
 
 `sandbox_tests` is the function `asyncgrpo.trainer.rewards` registers as `sandbox_tests`:
 a plain module-level function (TRL pickles reward functions into its scoring child).
-It is called once per group, so it takes one lease for the whole group and runs each
-completion in its own session of that sandbox, in parallel.
+It is called once per group and scores the group's completions in parallel, each in a
+sandbox of its own (one lease per completion) through the sandbox's `/v1/score`: a fresh
+copy of the row's files, only the completion's `solution_path` carried over, a clean
+environment. Siblings share nothing (a session per completion in one sandbox would let
+one's code read, corrupt or kill another's run), and the integrity model is that of the
+harness environment's `get_reward` (docs/sandboxes.md "Reward integrity"). It never raises
+into TRL: a sandbox failure scores as documented there and is counted (`reward_failures`).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import re
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +32,33 @@ from typing import Any
 from asyncgrpo.trainer.rewards import completion_text
 
 log = logging.getLogger("asyncgrpo.sandbox.rewards")
+
+_FAILURES: collections.Counter[str] = collections.Counter()
+_FAILURES_LOCK = threading.Lock()
+try:  # the scoring process's default registry (served where the trainer serves it)
+    from prometheus_client import Counter as _PromCounter
+
+    _PROM_FAILURES = _PromCounter("asyncgrpo_harness_reward_failures",
+                                  "scorings (get_reward, sandbox_tests) whose sandbox failed, scored as "
+                                  "documented", ["reason"])
+except Exception:  # noqa: BLE001 - no prometheus_client, or registered twice: the plain counter still counts
+    _PROM_FAILURES = None
+
+
+def reward_failures(reason: str) -> int:
+    """Scorings of this process (the environment's `get_reward`, `sandbox_tests`'s
+    completions) that failed for `reason`: sandbox_lost, sandbox_error, workspace_full,
+    no_sandbox, error."""
+    with _FAILURES_LOCK:
+        return _FAILURES[reason]
+
+
+def count_failure(reason: str, err: BaseException, where: str = "get_reward") -> None:
+    with _FAILURES_LOCK:
+        _FAILURES[reason] += 1
+    if _PROM_FAILURES is not None:
+        _PROM_FAILURES.labels(reason=reason).inc()
+    log.warning("%s: sandbox failure (%s): %s", where, reason, err)
 
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|xfailed|xpassed|skipped)\b")
 _PYTEST_SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?)\b.*\bin [\d.]+s")
@@ -140,19 +174,22 @@ def sandbox_tests(
     lease_wait_seconds: float = 300.0,
     **_columns: Any,
 ) -> list[float | None]:
-    """Reward per completion: write its code to `solution_path` next to the row's `files`
-    (a dict path -> content, or its JSON), run the row's `test_command` there, score it.
+    """Reward per completion: its code as `solution_path` next to the row's `files` (a dict
+    path -> content, or its JSON), the row's `test_command` run there, scored.
 
     `test_command` and `files` come from the data set's columns (one per completion) or
     from the reward's `args` (same for all). A row without `test_command` gets None (not
     applicable). Needs ASYNCGRPO_GATEWAY_URL and ASYNCGRPO_GATEWAY_TOKEN (or `gateway_url`).
 
-    If no sandbox can be had (none free within the wait, or lost twice), the group's rewards
-    are None and a warning is logged: TRL then drops the group as unscorable instead of the
-    rollout worker dying on a passing infrastructure problem.
+    Each completion leases a sandbox of its own, writes its code there and is scored by
+    `/v1/score` with `editable=[solution_path]`: the row's files (its tests) are written
+    fresh, nothing but the solution is carried over, the environment is clean. Never raises:
+    no sandbox within the wait (or no gateway) is None (unscored: the pool's fault, TRL
+    leaves it out); a sandbox lost before the completion's code ran is retried once on a
+    fresh one, then None; a sandbox lost, an error or the quota once the scoring run started
+    scores 0.0 (breaking one's own sandbox never pays), and so does a solution the sandbox
+    refuses (too large, say). Each failure is counted (`reward_failures`).
     """
-    from asyncgrpo.sandbox.client import Heartbeats, LeaseLost, SandboxError, shared_client
-
     n = len(completions)
     commands = _per_row(test_command, n)
     row_files = _per_row(files, n)
@@ -160,42 +197,73 @@ def sandbox_tests(
     rewards: list[float | None] = [None] * n
     if not todo:
         return rewards
-    client = shared_client(gateway_url)
-    for attempt in range(2):  # one retry on a fresh sandbox if the first one is lost
-        try:
-            lease = client.lease(f"reward-{uuid.uuid4().hex}", wait_seconds=lease_wait_seconds)
-        except SandboxError as err:
-            log.warning("sandbox_tests: no sandbox (%s); group left unscored", err)
-            return [None] * n
-        # the gateway sees no calls on the direct data path: heartbeats keep the lease
-        # through test runs longer than its TTL
-        beats = Heartbeats.for_client(client, max(0.5, lease.ttl_seconds / 4))
-        beats.add(lease)
-        try:
-            def run(i: int, lease_id: str = lease.lease_id) -> float:
-                session = f"t{i}"
-                for path, content in _files(row_files[i]).items():
-                    client.write_file(lease_id, path, content, session=session)
-                text = completion_text(completions[i])
-                client.write_file(lease_id, solution_path, extract_code(text) if extract else text,
-                                  session=session)
-                r = client.exec(lease_id, commands[i], timeout_seconds=timeout_seconds,
-                                session=session, max_output_bytes=65536)
-                return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"],
-                                      counts_required=prints_counts(commands[i])).reward
 
-            with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
-                for i, reward in zip(todo, pool.map(run, todo)):
-                    rewards[i] = reward
-            return rewards
-        except LeaseLost:
-            if attempt == 1:
-                log.warning("sandbox_tests: sandbox lost twice; group left unscored")
-                return [None] * n
-        finally:
-            beats.discard(lease)
-            try:
-                client.release(lease, all_holders=True)
-            except Exception:  # noqa: BLE001, S110 - gone already: the gateway resets it anyway
-                pass
+    def run(i: int) -> float | None:
+        text = completion_text(completions[i])
+        return _score_one(gateway_url, commands[i], _files(row_files[i]), solution_path,
+                          extract_code(text) if extract else text, timeout_seconds, lease_wait_seconds)
+
+    with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+        for i, reward in zip(todo, pool.map(run, todo)):
+            rewards[i] = reward
     return rewards
+
+
+_GROUP = uuid.uuid4().hex[:10]  # lease group ids unique across processes (each is its own group)
+
+
+def _score_one(gateway_url: str | None, command: str | list, files: dict[str, str], solution_path: str,
+               code: str, timeout_seconds: float, lease_wait_seconds: float) -> float | None:
+    """One completion in one sandbox of its own; see `sandbox_tests` for what each failure scores."""
+    from asyncgrpo.sandbox.client import (
+        Heartbeats,
+        LeaseLost,
+        NoSandbox,
+        SandboxError,
+        shared_client,
+    )
+
+    scoring = False  # from the score call on, the completion's code runs: a failure is its own
+    try:
+        client = shared_client(gateway_url)
+        for attempt in range(2):  # one retry on a fresh sandbox lost before the code ran
+            lease = client.lease(f"reward-{_GROUP}-{uuid.uuid4().hex[:12]}", wait_seconds=lease_wait_seconds)
+            # the gateway sees no calls on the direct data path: heartbeats keep the lease
+            # through test runs longer than its TTL
+            beats = Heartbeats.for_client(client, max(0.5, lease.ttl_seconds / 4))
+            beats.add(lease)
+            try:
+                try:
+                    client.write_file(lease, solution_path, code, session=_SESSION)
+                except LeaseLost:
+                    if attempt == 0:
+                        continue
+                    raise
+                scoring = True
+                r = client.score(lease, command, files=files, editable=[solution_path], session=_SESSION,
+                                 timeout_seconds=timeout_seconds, max_output_bytes=65536)
+                return score_test_run(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"],
+                                      counts_required=prints_counts(command)).reward
+            finally:
+                beats.discard(lease)
+                try:
+                    client.release(lease, all_holders=True)
+                except Exception:  # noqa: BLE001, S110 - gone already: the gateway retires or resets it anyway
+                    pass
+        raise AssertionError("unreachable")  # pragma: no cover
+    except NoSandbox as err:
+        count_failure("no_sandbox", err, "sandbox_tests")
+        return None
+    except LeaseLost as err:
+        count_failure("sandbox_lost", err, "sandbox_tests")
+        return 0.0 if scoring else None
+    except SandboxError as err:
+        count_failure("workspace_full" if err.error == "workspace_full" else "sandbox_error", err, "sandbox_tests")
+        return 0.0
+    except Exception as err:  # noqa: BLE001 - TRL's reward call must never see it
+        count_failure("error", err, "sandbox_tests")
+        return 0.0 if scoring else None
+
+
+#: the session a completion's code is written to (each completion has a sandbox of its own)
+_SESSION = "work"

@@ -375,6 +375,39 @@ class SandboxServer:
             "PYTHONUNBUFFERED": "1",
             **req.env,
         }
+        result = await self._run_in_slot(argv, cwd=cwd, env=env, stdin=stdin, timeout=timeout, cap=cap,
+                                         generation=generation, during="during this call")
+        if result is None:
+            return _not_started(timeout, req.output_encoding)
+        outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
+        metrics.execs.labels(outcome=outcome).inc()
+        metrics.exec_seconds.observe(result.duration_seconds)
+        metrics.output_bytes.labels(stream="stdout").inc(result.stdout_bytes)
+        metrics.output_bytes.labels(stream="stderr").inc(result.stderr_bytes)
+        for stream, cut in (("stdout", result.stdout_truncated), ("stderr", result.stderr_truncated)):
+            if cut:
+                metrics.truncated.labels(stream=stream).inc()
+        return ExecResult(
+            exit_code=result.exit_code,
+            stdout=_encode(result.stdout, req.output_encoding),
+            stderr=_encode(result.stderr, req.output_encoding),
+            output_encoding=req.output_encoding,
+            stdout_truncated=result.stdout_truncated,
+            stderr_truncated=result.stderr_truncated,
+            stdout_bytes=result.stdout_bytes,
+            stderr_bytes=result.stderr_bytes,
+            timed_out=result.timed_out,
+            duration_seconds=round(result.duration_seconds, 6),
+        )
+
+    async def _run_in_slot(self, argv: list[str], *, cwd: str, env: dict[str, str], stdin, timeout: float,
+                           cap: int, generation: int, during: str, sweep_after: bool = False):
+        """Run one command of an exec or a scoring run: wait for a slot, run, map errors; the
+        quota is checked after. None when no slot came free within `timeout` (the caller
+        answers "not started"); errors are 4xx (`lease_revoked`, `spawn_failed`,
+        `process_limit`, an OS error's) and 507 `workspace_full` if a quota wipe happened
+        while it ran. `sweep_after`: kill every process of the sandbox once it ended."""
+        metrics = self.metrics
         wipes = self.wipes
         metrics.in_flight.inc()
         queued = time.monotonic()
@@ -385,7 +418,7 @@ class SandboxServer:
                 await asyncio.wait_for(self.slots.acquire(), timeout)
             except TimeoutError:
                 metrics.execs.labels(outcome="timeout").inc()
-                return _not_started(timeout, req.output_encoding)
+                return None
             try:
                 result = await self.runner.run(
                     argv,
@@ -410,32 +443,15 @@ class SandboxServer:
                 raise _os_error(err) from err
             finally:
                 self.slots.release()
+                if sweep_after:
+                    await self.runner.sweep()
             await self.enforce_quota()
         finally:
             metrics.in_flight.dec()
         if self.wipes != wipes:
             metrics.execs.labels(outcome="workspace_full").inc()
-            raise self._full("during this call")
-        outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
-        metrics.execs.labels(outcome=outcome).inc()
-        metrics.exec_seconds.observe(result.duration_seconds)
-        metrics.output_bytes.labels(stream="stdout").inc(result.stdout_bytes)
-        metrics.output_bytes.labels(stream="stderr").inc(result.stderr_bytes)
-        for stream, cut in (("stdout", result.stdout_truncated), ("stderr", result.stderr_truncated)):
-            if cut:
-                metrics.truncated.labels(stream=stream).inc()
-        return ExecResult(
-            exit_code=result.exit_code,
-            stdout=_encode(result.stdout, req.output_encoding),
-            stderr=_encode(result.stderr, req.output_encoding),
-            output_encoding=req.output_encoding,
-            stdout_truncated=result.stdout_truncated,
-            stderr_truncated=result.stderr_truncated,
-            stdout_bytes=result.stdout_bytes,
-            stderr_bytes=result.stderr_bytes,
-            timed_out=result.timed_out,
-            duration_seconds=round(result.duration_seconds, 6),
-        )
+            raise self._full(during)
+        return result
 
     async def read_file(self, request: Request) -> ReadResult:
         req = await parse_body(request, ReadRequest)
@@ -514,34 +530,11 @@ class SandboxServer:
         env = {"PATH": s.command_path, "HOME": home, "LANG": "C.UTF-8", "TERM": "dumb",
                "PYTHONUNBUFFERED": "1", "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1",
                "PYTHONDONTWRITEBYTECODE": "1"}
-        wipes = self.wipes
-        metrics.in_flight.inc()
-        queued = time.monotonic()
-        try:
-            try:
-                await asyncio.wait_for(self.slots.acquire(), timeout)
-            except TimeoutError:
-                return ScoreResult(**_not_started(timeout, "utf-8").model_dump(), editable_found=kept)
-            try:
-                result = await self.runner.run(
-                    argv, cwd=cwd, env=env, stdin=None,
-                    timeout=max(0.001, timeout - (time.monotonic() - queued)), max_output_bytes=cap,
-                    admit=lambda: self.gate.current(generation))
-            except Revoked as err:
-                raise _revoked() from err
-            except (FileNotFoundError, PermissionError, NotADirectoryError) as err:
-                raise ApiError(400, "spawn_failed", str(err)) from err
-            except BlockingIOError as err:
-                raise ApiError(429, "process_limit", str(err)) from err
-            finally:
-                self.slots.release()
-                await self.runner.sweep()  # nothing of the scoring run outlives it
-            await self.enforce_quota()
-        finally:
-            metrics.in_flight.dec()
-        if self.wipes != wipes:
-            metrics.execs.labels(outcome="workspace_full").inc()
-            raise self._full("during the scoring run")
+        result = await self._run_in_slot(argv, cwd=cwd, env=env, stdin=None, timeout=timeout, cap=cap,
+                                         generation=generation, during="during the scoring run",
+                                         sweep_after=True)  # nothing of the scoring run outlives it
+        if result is None:
+            return ScoreResult(**_not_started(timeout, "utf-8").model_dump(), editable_found=kept)
         metrics.execs.labels(outcome="timeout" if result.timed_out else
                              ("ok" if result.exit_code == 0 else "nonzero")).inc()
         return ScoreResult(

@@ -125,13 +125,21 @@ def test_status_and_metrics_show_the_spread():
                  {"namespace": "ns", "run": "r", "replica": "newest"}) is None
 
 
-def test_only_the_operator_may_ask_a_puller_and_only_in_full_runs():
+def test_only_the_operator_and_the_runs_router_may_ask_a_puller_and_only_in_full_runs():
     def puller_rules(run):
         policy = next(p for p in network.build_policies(run)
                       if p["metadata"]["name"].endswith("-vllm"))
         return [r for r in policy["spec"]["ingress"]
                 if {"protocol": "TCP", "port": PULLER_PORT} in r.get("ports", [])]
 
-    assert puller_rules(run_of("full-finetune.yaml")) == [
+    full = run_of("full-finetune.yaml")
+    own_trainer = {"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "asyncgrpo", "app.kubernetes.io/instance": full.metadata.name,
+        "app.kubernetes.io/component": "trainer"}}}
+    # the trainer's version-aware router reads each replica's served version
+    assert puller_rules(full) == [{"from": [network.OPERATOR_SCRAPER, own_trainer],
+                                   "ports": [{"protocol": "TCP", "port": PULLER_PORT}]}]
+    full.spec.rollout.routing = "service"   # no router: the operator alone
+    assert puller_rules(full) == [
         {"from": [network.OPERATOR_SCRAPER], "ports": [{"protocol": "TCP", "port": PULLER_PORT}]}]
     assert puller_rules(run_of("lora-math.yaml")) == []

@@ -291,6 +291,9 @@ class TrainerMetrics:
                 continue
             name, replica = _ROUTING[parts[2]], parts[1]
             if METRICS[name][0] == "counter":
+                # born at 0 for every replica seen: a counter born at its first increment is
+                # invisible to rate() (the failovers panel would show nothing, not 0)
+                self._m[name].labels(replica=replica)
                 if v:
                     self.inc(name, v, replica=replica)
             else:

@@ -181,6 +181,10 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
             values = dict(values)
             for r in self.router.replicas:
                 values[f"routing/{r}/groups_in_flight"] = float(self.router.load(r))
+                for counter in ("requests_total", "groups_total", "failovers_total"):
+                    # every replica's counters exist from the first window, at 0 when
+                    # nothing happened: rate() sees no counter before its first sample
+                    values.setdefault(f"routing/{r}/{counter}", 0.0)
                 st = self.router.state(r)
                 if st is not None and st.served_version is not None:
                     values[f"routing/{r}/served_version"] = float(st.served_version)

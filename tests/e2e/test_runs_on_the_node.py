@@ -166,7 +166,9 @@ def test_faults_vllm_killed_trainer_deleted_operator_restarted(e2e_stack):
     """The run survives what a cluster does to pods, with no policy version lost or repeated."""
     stack, ns = e2e_stack, "team-faults"
     stack.namespace(ns)
-    run = tiny_run("sturdy", ns, stack.s3.endpoint, steps=8)
+    # enough steps that the run is still going when its trainer pod is deleted after step 3
+    # (at 8 steps a fast node finished the run before the recreated pod started)
+    run = tiny_run("sturdy", ns, stack.s3.endpoint, steps=16)
     run["spec"]["adapterStore"]["retention"] = 100  # keep every version: the test counts them
     stack.apply(prompts_configmap(ns), run)
     wait_step(stack, "sturdy", ns, 1)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from asyncgrpo.api.crd import crd, crd_yaml
+from asyncgrpo.rewards import BUILTINS, arg_names
 
 from .invalid_specs import REPO
 
@@ -41,7 +43,9 @@ def test_schema_is_structural():
     for path, node in _walk(schema):
         for banned in ("$ref", "anyOf", "oneOf", "allOf", "title", "const"):
             assert banned not in node, f"{path} has {banned}"
-        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
+        # Kubernetes' two exceptions to "every node has a type"
+        assert "type" in node or node.get("x-kubernetes-int-or-string") or node.get(
+            "x-kubernetes-preserve-unknown-fields"), f"{path} has no type"
         for bound in ("exclusiveMinimum", "exclusiveMaximum"):
             assert isinstance(node.get(bound, False), bool), f"{path}.{bound} must be boolean"
         if node.get("x-kubernetes-preserve-unknown-fields"):
@@ -54,7 +58,7 @@ def test_free_form_only_where_the_model_is_free_form():
     # env's valueFrom is Kubernetes' EnvVarSource now (asyncgrpo.api.k8s), not free-form
     assert free == [
         "$.spec.harness.environment.args",
-        "$.spec.reward.functions[].args",
+        "$.spec.reward.functions[].args{}",  # a map: the CRD's rule checks a built-in's names
         "$.spec.trainer.trlArgs",  # checked by validation against AsyncGRPOConfig's table
     ]
 
@@ -86,3 +90,27 @@ def test_field_reference_doc_is_generated_from_the_model():
     assert doc.read_text() == reference_markdown(), (
         "docs/api-reference.md is stale: run "
         "`python -m asyncgrpo.api.reference > docs/api-reference.md`")
+
+
+def _reward_rules() -> list[dict]:
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    fn = schema["properties"]["spec"]["properties"]["reward"]["properties"]["functions"]["items"]
+    return fn["x-kubernetes-validations"]
+
+
+@pytest.mark.parametrize("name", [*BUILTINS, "python"])
+def test_the_crds_rule_refuses_an_unknown_built_in_arg(name):
+    """The CEL rules as an API server >= 1.25 runs them (cel-python; the test API server is
+    1.20, which ignores them): a built-in takes its own args only, a user function any."""
+    import celpy
+
+    env = celpy.Environment()
+    rules = [env.program(env.compile(r["rule"])) for r in _reward_rules()]
+
+    def admitted(fn: dict) -> bool:
+        return all(bool(p.evaluate({"self": celpy.json_to_cel(fn)})) for p in rules)
+
+    own = {a: "x" for a in (arg_names(name) or ("anything",))}
+    assert admitted({"name": name, "args": own})
+    assert admitted({"name": name})
+    assert admitted({"name": name, "args": {**own, "bogus": 1}}) is (name == "python")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from asyncgrpo.rewards import SandboxTestsArgs
 from asyncgrpo.sandbox import rewards
 from asyncgrpo.sandbox.rewards import sandbox_tests
 from tests.sandbox.conftest import GW_TOKEN, start_gateway, start_sandbox, wait_until
@@ -53,8 +54,9 @@ def idle(gw, n: int = 3) -> None:
 
 
 def score(gw, completions: list[str], tests: str = UT_TESTS) -> list[float | None]:
-    out = sandbox_tests(completions, test_command=COMMAND, files={"test_square.py": tests},
-                        timeout_seconds=30, gateway_url=gw.url, prompts=["p"] * len(completions))
+    out = sandbox_tests(completions, SandboxTestsArgs(
+        test_command=COMMAND, files={"test_square.py": tests}, timeout_seconds=30,
+        gateway_url=gw.url), prompts=["p"] * len(completions))
     idle(gw)
     return out
 
@@ -155,8 +157,9 @@ def test_scoring_through_a_proxied_gateway(tmp_path, monkeypatch):
         with pytest.raises(LeaseLost):
             c.score(lease, COMMAND, files={}, editable=[])
         idle(gw, 1)
-        assert sandbox_tests([HONEST, fenced(WRONG)], test_command=COMMAND, files={"test_square.py": UT_TESTS},
-                             timeout_seconds=30, gateway_url=gw.url) == [1.0, 0.5]
+        assert sandbox_tests([HONEST, fenced(WRONG)], SandboxTestsArgs(
+            test_command=COMMAND, files={"test_square.py": UT_TESTS}, timeout_seconds=30,
+            gateway_url=gw.url)) == [1.0, 0.5]
     finally:
         gw.stop()
         sb.stop()

@@ -8,6 +8,7 @@ import sys
 import httpx
 import pytest
 
+from asyncgrpo.rewards import SandboxTestsArgs
 from asyncgrpo.sandbox.rewards import count_tests, extract_code, sandbox_tests, score_test_run
 from tests.sandbox.conftest import GW_TOKEN, start_gateway, start_sandbox, wait_until
 
@@ -75,11 +76,11 @@ def test_sandbox_tests_reward_end_to_end(gateway):
         [{"role": "assistant", "content": "```python\nwhile True: pass\n```"}],
         [{"role": "assistant", "content": "no tests for this row"}],
     ]
-    rewards = sandbox_tests(
+    rewards = sandbox_tests(  # test_command and files as data set columns, one per row
         completions,
+        SandboxTestsArgs(timeout_seconds=2),
         test_command=["python3 -m unittest -v"] * 4 + [None],
         files=[{"test_square.py": tests}] * 5,
-        timeout_seconds=2,
         prompts=["p"] * 5,
     )
     assert rewards == [1.0, 0.5, 0.0, 0.0, None]
@@ -89,7 +90,8 @@ def test_sandbox_tests_reward_end_to_end(gateway):
 def test_without_a_sandbox_the_group_is_left_unscored(gateway):
     with httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {GW_TOKEN}"}) as c:
         held = c.post("/v1/leases", json={"group_id": "hog"}).json()
-        rewards = sandbox_tests(["```python\nx = 1\n```"] * 2, test_command="true", lease_wait_seconds=0.2)
+        rewards = sandbox_tests(["```python\nx = 1\n```"] * 2,
+                                SandboxTestsArgs(test_command="true", lease_wait_seconds=0.2))
         assert rewards == [None, None]
         c.delete(f"/v1/leases/{held['lease_id']}", headers={"authorization": f"Bearer {held['secret']}"})
 
@@ -101,8 +103,9 @@ def test_a_test_run_longer_than_the_lease_ttl_keeps_its_lease(tmp_path, monkeypa
     gw = start_gateway(tmp_path, [sb.url], "--health-interval-seconds", "0.3", "--lease-ttl-seconds", "1")
     try:
         wait_until(lambda: httpx.get(f"{gw.url}/v1/demand").json()["idle"] == 1, 30, what="pool warm")
-        rewards = sandbox_tests(["```python\nx = 1\n```"], test_command="sleep 3 && echo '1 passed'",
-                                timeout_seconds=30, gateway_url=gw.url, prompts=["p"])
+        rewards = sandbox_tests(["```python\nx = 1\n```"], SandboxTestsArgs(
+            test_command="sleep 3 && echo '1 passed'", timeout_seconds=30, gateway_url=gw.url),
+            prompts=["p"])
         assert rewards == [1.0]
         metrics = httpx.get(f"{gw.url}/metrics").text
         assert 'leases_ended_total{how="expired"}' not in metrics

@@ -249,7 +249,7 @@ def test_the_gsm8k_recipe_of_the_guide_reads_gsm8k_rows(tmp_path):
     import datasets
     import yaml
 
-    from asyncgrpo.trainer.rewards import numeric_match
+    from asyncgrpo.trainer.rewards import build_rewards
     from tests.api.invalid_specs import REPO
 
     doc = (REPO / "docs" / "tasks.md").read_text()
@@ -265,11 +265,11 @@ def test_the_gsm8k_recipe_of_the_guide_reads_gsm8k_rows(tmp_path):
     assert [r["answer"] for r in rows] == ["72", "10", "2,400"]
     assert rows[0]["prompt"][0]["role"] == "system"
     assert [r["answer"] for r in load_eval_rows(run)] == ["72", "10"]
-    args = run.spec.reward.functions[0].args
+    (term,) = build_rewards(run.spec.reward)
     said = [[{"role": "assistant", "content": "48+24 = 72\n#### 72"}],
             [{"role": "assistant", "content": "#### 12"}],
             [{"role": "assistant", "content": "so #### 2,400"}]]
-    assert numeric_match(said, answer=[r["answer"] for r in rows], **args) == [1.0, 0.0, 1.0]
+    assert term(said, answer=[r["answer"] for r in rows]) == [1.0, 0.0, 1.0]
 
 
 def test_the_eval_reward_reaches_its_gauges():

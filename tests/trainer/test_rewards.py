@@ -7,6 +7,7 @@ import pickle
 import pytest
 
 from asyncgrpo.api import BUILTIN_REWARDS, parse_run
+from asyncgrpo.rewards import BUILTINS, completion_text
 from asyncgrpo.trainer import rewards
 from asyncgrpo.trainer.rewards import RewardTerm, build_rewards
 
@@ -17,11 +18,23 @@ def msg(text: str) -> list[dict]:
 
 def user_reward(completions, *, bonus: float = 0.0, **kwargs):
     """A user reward for the `python` entry (importable as tests.trainer.test_rewards:...)."""
-    return [len(rewards.completion_text(c)) + bonus for c in completions]
+    return [len(completion_text(c)) + bonus for c in completions]
 
 
-def test_registry_names_equal_the_api():
-    assert tuple(rewards.REGISTRY) == BUILTIN_REWARDS
+def test_every_built_in_names_an_importable_function_and_the_api_its_names():
+    """The API's names are the table's; every built-in's function loads from its path."""
+    assert BUILTIN_REWARDS == (*BUILTINS, "python")
+    for name, builtin in BUILTINS.items():
+        assert callable(rewards.load_user_function(builtin.function)), name
+
+
+def test_unknown_or_ill_typed_args_are_refused_at_build():
+    with pytest.raises(ValueError, match="unknown args \\['feild'\\]"):
+        RewardTerm("exact_match", args={"feild": "answer"})
+    with pytest.raises(ValueError, match="flags takes"):
+        RewardTerm("regex_match", args={"pattern": "x", "flags": "q"})
+    with pytest.raises(ValueError, match="pattern"):
+        RewardTerm("regex_match")
 
 
 def test_exact_match_with_extract_and_case():

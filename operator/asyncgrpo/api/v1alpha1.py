@@ -20,13 +20,16 @@ from pydantic.alias_generators import to_camel
 from asyncgrpo import API_GROUP, API_VERSION, KIND, default_image
 from asyncgrpo.api import k8s
 from asyncgrpo.api.layout import PREFIX_PATTERN
+from asyncgrpo.rewards import BUILTINS as REWARD_BUILTINS
+from asyncgrpo.rewards import NAMES as REWARD_NAMES
+from asyncgrpo.rewards import arg_names
 
 #: A Kubernetes resource quantity: "500m", "16Gi", 2.
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 
-#: Names of the reward functions the trainer ships (`asyncgrpo.trainer.rewards`);
-#: `python` loads a user function named by `module`.
-BUILTIN_REWARDS = ("exact_match", "regex_match", "numeric_match", "sandbox_tests", "python")
+#: Names of the reward functions a run may use (`asyncgrpo.rewards`' table); `python` loads
+#: a user function named by `module`.
+BUILTIN_REWARDS = REWARD_NAMES
 
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 BUCKET_NAME = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
@@ -636,10 +639,26 @@ class DataSpec(DataSource):
         "reward is logged (asyncgrpo_trainer_eval_reward_mean, TRL's loggers as eval_reward).")
 
 
+def _reward_args_rules() -> list[dict[str, str]]:
+    """CEL rules: a built-in's `args` name only its arguments (anything else would reach the
+    function as a data set column and be ignored). Types are checked by `asyncgrpo validate`
+    and the webhook, from the same dataclasses."""
+    rules = []
+    for name in REWARD_BUILTINS:
+        allowed = ", ".join(f"'{a}'" for a in arg_names(name))
+        rules.append({
+            "rule": f"self.name != '{name}' || !has(self.args) || self.args.all(k, k in [{allowed}])",
+            "message": f"{name} takes only these args: {allowed.replace(chr(39), '')}",
+        })
+    return rules
+
+
 class RewardFunction(Model):
     """One reward term; the reward of a rollout is the weighted sum of its terms."""
 
-    name: Literal["exact_match", "regex_match", "numeric_match", "sandbox_tests", "python"] = Field(
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _reward_args_rules()})
+
+    name: Literal[REWARD_NAMES] = Field(  # type: ignore[valid-type]
         description="Built-in reward, or python for a user function named by module."
     )
     weight: float = Field(default=1.0, description="Weight of this term.")
@@ -648,8 +667,10 @@ class RewardFunction(Model):
         description="For name=python: 'package.module:function' importable in the trainer image.",
     )
     args: dict[str, Any] = Field(
-        max_length=32,
-        default_factory=dict, description="Keyword arguments of the function (free-form)."
+        max_length=32, default_factory=dict,
+        description="Arguments of the function: a built-in's are listed in docs/api.md "
+        "(unknown names refused); a python function's are its own keyword arguments.",
+        json_schema_extra={"additionalProperties": {"x-kubernetes-preserve-unknown-fields": True}},
     )
 
 

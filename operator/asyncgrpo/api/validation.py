@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from asyncgrpo import API_GROUP, KIND
 from asyncgrpo.api.placement import conflicts
@@ -28,7 +28,8 @@ from asyncgrpo.api.v1alpha1 import (
     AsyncGRPORun,
     AsyncGRPORunSpec,
 )
-from asyncgrpo.trainer.rewards import accepted_args
+from asyncgrpo.rewards import BUILTINS as REWARD_BUILTINS
+from asyncgrpo.rewards import arg_names
 from asyncgrpo.wire import TRAINER_RENDEZVOUS_PORT
 
 
@@ -197,19 +198,31 @@ def _data_and_rewards(s: AsyncGRPORunSpec) -> Iterator[FieldError]:
         if fn.name == "sandbox_tests" and s.sandboxes is None:
             yield FieldError(
                 f"{at}.name", "sandbox_tests runs tests in a sandbox: add spec.sandboxes")
-        accepted = accepted_args(fn.name)
-        unknown = sorted(set(fn.args) - accepted) if accepted is not None else []
-        if unknown:  # a built-in reward would receive them as data columns and ignore them
-            yield FieldError(
-                f"{at}.args", f"{fn.name} takes no {', '.join(unknown)}; its args are "
-                f"{', '.join(sorted(accepted))}")
-        if fn.name == "regex_match" and "pattern" not in fn.args:
-            yield FieldError(f"{at}.args", "regex_match needs args.pattern")
-        if "pattern" in fn.args:
+        if fn.name in REWARD_BUILTINS:
+            yield from _reward_args(fn.name, fn.args, f"{at}.args")
+
+
+def _reward_args(name: str, args: dict[str, Any], at: str) -> Iterator[FieldError]:
+    """A built-in's args against its dataclass: unknown names (they would reach the function
+    as data set columns and vanish), types, required ones; a pattern must compile."""
+    unknown = sorted(set(args) - set(arg_names(name)))
+    if unknown:
+        yield FieldError(at, f"{name} takes no {', '.join(unknown)}; its args are "
+                         f"{', '.join(arg_names(name))}")
+        return
+    try:  # JSON mode: strict types ("8" is not 8) from a mapping, as the run file gives them
+        TypeAdapter(REWARD_BUILTINS[name].args).validate_json(json.dumps(args))
+    except ValidationError as err:
+        for e in err.errors():
+            where = ".".join(str(p) for p in e["loc"])
+            what = f"{name} needs args.{where}" if e["type"] == "missing" else e["msg"]
+            yield FieldError(f"{at}.{where}" if where else at, what)
+    for key in ("pattern", "extract"):
+        if isinstance(args.get(key), str):
             try:
-                re.compile(str(fn.args["pattern"]))
+                re.compile(args[key])
             except re.error as e:
-                yield FieldError(f"{at}.args.pattern", f"not a valid regular expression: {e}")
+                yield FieldError(f"{at}.{key}", f"not a valid regular expression: {e}")
 
 
 _SOURCES = ("bucket_path", "config_map", "path")

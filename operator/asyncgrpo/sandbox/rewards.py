@@ -6,7 +6,7 @@ else 1.0 for exit code 0 and 0.0 otherwise; a timed-out run scores 0.0 whatever 
 Counting passed tests gives a graded signal (3 of 4 beats 0 of 4) where the exit code alone
 gives GRPO no gradient inside a group that fails everywhere.
 
-`sandbox_tests` is the function `asyncgrpo.trainer.rewards` registers as `sandbox_tests`:
+`sandbox_tests` is the built-in reward `sandbox_tests` (`asyncgrpo.rewards`'s table names it):
 a plain module-level function (TRL pickles reward functions into its scoring child).
 It is called once per group and scores the group's completions in parallel, each in a
 sandbox of its own (one lease per completion) through the sandbox's `/v1/score`: a fresh
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.trainer.rewards import completion_text
+from asyncgrpo.rewards import SandboxTestsArgs, completion_text, per_row
 
 log = logging.getLogger("asyncgrpo.sandbox.rewards")
 
@@ -152,34 +152,21 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def _per_row(value: Any, n: int) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) and len(value) == n else [value] * n
-
-
 def _files(value: Any) -> dict[str, str]:
     if not value:
         return {}
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
-def sandbox_tests(
-    completions: list,
-    *,
-    test_command: str | list | None = None,
-    files: Any = None,
-    solution_path: str = "solution.py",
-    extract: bool = True,
-    timeout_seconds: float = 60.0,
-    gateway_url: str | None = None,
-    lease_wait_seconds: float = 300.0,
-    **_columns: Any,
-) -> list[float | None]:
+def sandbox_tests(completions: list, options: SandboxTestsArgs | None = None, /,
+                  **columns: Any) -> list[float | None]:
     """Reward per completion: its code as `solution_path` next to the row's `files` (a dict
     path -> content, or its JSON), the row's `test_command` run there, scored.
 
-    `test_command` and `files` come from the data set's columns (one per completion) or
-    from the reward's `args` (same for all). A row without `test_command` gets None (not
-    applicable). Needs ASYNCGRPO_GATEWAY_URL and ASYNCGRPO_GATEWAY_TOKEN (or `gateway_url`).
+    `test_command` and `files` come from the reward's `args` (same for all) or else from the
+    data set's columns of those names (one per completion). A row without `test_command`
+    gets None (not applicable). Needs ASYNCGRPO_GATEWAY_URL and ASYNCGRPO_GATEWAY_TOKEN (or
+    `gateway_url`).
 
     Each completion leases a sandbox of its own, writes its code there and is scored by
     `/v1/score` with `editable=[solution_path]`: the row's files (its tests) are written
@@ -191,8 +178,9 @@ def sandbox_tests(
     refuses (too large, say). Each failure is counted (`reward_failures`).
     """
     n = len(completions)
-    commands = _per_row(test_command, n)
-    row_files = _per_row(files, n)
+    o = options or SandboxTestsArgs()
+    commands = per_row(o.test_command if o.test_command is not None else columns.get("test_command"), n)
+    row_files = per_row(o.files if o.files is not None else columns.get("files"), n)
     todo = [i for i in range(n) if commands[i]]
     rewards: list[float | None] = [None] * n
     if not todo:
@@ -200,8 +188,9 @@ def sandbox_tests(
 
     def run(i: int) -> float | None:
         text = completion_text(completions[i])
-        return _score_one(gateway_url, commands[i], _files(row_files[i]), solution_path,
-                          extract_code(text) if extract else text, timeout_seconds, lease_wait_seconds)
+        return _score_one(o.gateway_url, commands[i], _files(row_files[i]), o.solution_path,
+                          extract_code(text) if o.extract else text, o.timeout_seconds,
+                          o.lease_wait_seconds)
 
     with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
         for i, reward in zip(todo, pool.map(run, todo)):

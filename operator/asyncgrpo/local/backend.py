@@ -45,9 +45,10 @@ from asyncgrpo.local.placement import (
     run_pods,
     termination_log,
 )
-from asyncgrpo.local.pods import LocalProcess, PodTranslationError, translate_pod
+from asyncgrpo.local.pods import LocalPlacement, LocalProcess, PodTranslationError, translate_pod
 from asyncgrpo.local.processes import ManagedProcess
 from asyncgrpo.local.s3 import S3Server
+from asyncgrpo.local.sandbox_pool import LocalSandboxPool, start_sandbox_part
 from asyncgrpo.wire import BIND_HOST_ENV, METRICS_PORT_ENV, WORK_DIR_ENV
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -86,6 +87,10 @@ class LocalBackend:
     preflight: bool = True
     #: the run file, for the `asyncgrpo pull` line of final_output
     run_file: Path | None = None
+    #: the pods' placement, once `_processes` built it
+    placement: LocalPlacement | None = None
+    #: the sandbox processes and the gateway's members file (`spec.sandboxes`), once started
+    sandbox_pool: LocalSandboxPool | None = None
     _locks: list = field(default_factory=list)
     _stopped_s3: S3Server | None = None
 
@@ -252,7 +257,7 @@ class LocalBackend:
         procs = [self._start(lp, wait=False) for lp in containers]
         for proc, lp in zip(procs, containers):
             if lp.ready_url:
-                _wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
+                wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
         return procs
 
     def _processes(self) -> tuple[list[Pod], dict[str, list[LocalProcess]]]:
@@ -265,6 +270,7 @@ class LocalBackend:
             placement = build_placement(self.run, pods, self.workdir,
                                         s3_credentials=dict(self.env),
                                         max_steps=self.max_steps, cpus=_split_cpus())
+            self.placement = placement
             return pods, {p.name: translate_pod(p.name, p.spec, placement) for p in pods}
         except (ValueError, PodTranslationError) as e:
             raise LocalRunError(f"cannot run this run's pods locally: {e}") from None
@@ -299,13 +305,16 @@ class LocalBackend:
                                 if lp.container != vllm.PULLER_CONTAINER and lp.ready_url]
             self.say("vLLM ready on " + ", ".join(
                 f"{_host_port(lp.ready_url)} ({lp.name})" for lp in vllm_pod))
-            for pod in by[sandboxes.COMPONENT]:
-                self._start_pod(procs[pod.name])
-            for pod in by[gateway.COMPONENT]:
-                self._start_pod(procs[pod.name])
-                self.scrape_urls.append(_metrics_url(procs[pod.name][0].ready_url))
-                self.say(f"started {len(by[sandboxes.COMPONENT])} sandbox server(s) behind a "
-                         f"gateway on {_host_port(procs[pod.name][0].ready_url)}")
+            if by[gateway.COMPONENT]:
+                pool, gw = start_sandbox_part(self.run, pods, procs, self.placement,
+                                              self.workdir, started=self.started, say=self.say)
+                self.sandbox_pool = pool
+                self.scrape_urls.append(_metrics_url(gw.ready_url))
+                self.say(f"started {len(pool.sandboxes)} sandbox server(s) behind a gateway on "
+                         f"{_host_port(gw.ready_url)} (lifecycle {pool.lifecycle}: "
+                         + ("a fresh sandbox per group, up to "
+                            if pool.lifecycle == "FreshPerGroup" else "reset between groups, up to ")
+                         + f"{pool.cap} at once)")
             code = self._train([procs[pod.name][0] for pod in by[trainer.COMPONENT]], servers,
                                poll_s)
             if code == 0:
@@ -427,11 +436,11 @@ def start_process(lp: LocalProcess, log_dir: Path, *, started: list, wait: bool 
                                 cpus=set(lp.cpus) if lp.cpus else None)
     started.append(proc)
     if wait and lp.ready_url:
-        _wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
+        wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
     return proc
 
 
-def _wait_ready(proc: ManagedProcess, url: str, timeout_s: float) -> None:
+def wait_ready(proc: ManagedProcess, url: str, timeout_s: float) -> None:
     """Poll the container's readiness probe until it answers 200, as a kubelet would."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -21,8 +21,8 @@ holder of the run token can name any group id, so the id is no credential.
 Lifecycle (`lifecycle`): `fresh` (default) retires a sandbox once its group's lease ends;
 the operator deletes the pod and creates a new one, the warm pool absorbing the pod start.
 `reuse` resets it for the next group (trusted workloads only). A member source that cannot
-replace its members (a fixed `--members` list, the local backend) runs `reuse`, and says so
-in the demand signal and the log.
+replace its members (a fixed `--members` list) runs `reuse`, and says so in the demand signal
+and the log; the local backend's `--members-file` can (its pool replaces retired processes).
 """
 
 from __future__ import annotations

@@ -55,19 +55,28 @@ def sandbox_part(lifecycle: str, min_warm: int, max_size: int):
 
 def _in_group(client: GatewayClient, pool, group: str) -> dict:
     """One group's lease: which sandbox and server process, its session directory, whether
-    it sees a file a group before it wrote (in its own session, and by the first group's
-    absolute path), then a file of its own written; released."""
+    it sees a file a group before it wrote, then a file of its own written and a process
+    left behind in a session of its own (as a hostile command would); released."""
     lease = client.lease(group, wait_seconds=60)
     try:
         pid = pool.pid(lease.sandbox)
         out = client.exec(lease.lease_id, "pwd; cat mark.txt 2>/dev/null || echo no-mark; "
-                          f"echo {group} > mark.txt")
+                          f"echo {group} > mark.txt; "
+                          "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!")
         assert out["exit_code"] == 0, out
-        cwd, seen = out["stdout"].split()
+        cwd, seen, left = out["stdout"].split()
         return {"sandbox": lease.sandbox, "pid": pid, "cwd": cwd, "seen": seen,
-                "lease": lease}
+                "left": int(left), "lease": lease}
     finally:
         client.release(lease.lease_id)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _until(check, timeout: float = 60.0):
@@ -100,12 +109,9 @@ def test_fresh_per_group_gives_each_group_a_new_sandbox_process_and_workspace():
             return (pool.pid(g["sandbox"]) is None and not (workdir / g["sandbox"]).exists()
                     and g["sandbox"] not in json.loads(members_file(workdir).read_text()))
         _until(lambda: all(discarded(g) for g in groups))
-        for g in groups:
-            try:
-                os.kill(g["pid"], 0)
-                raise AssertionError(f"server {g['pid']} of {g['sandbox']} still runs")
-            except ProcessLookupError:
-                pass
+        for g in groups:  # the server, and what the group's command left running
+            for pid in (g["pid"], g["left"]):
+                _until(lambda pid=pid: not _alive(pid), timeout=20)
         # group A's file, looked for by its absolute path from a later group's sandbox
         d = _in_group(client, pool, "group-d")
         probe = client.lease("group-e", wait_seconds=60)

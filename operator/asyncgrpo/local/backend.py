@@ -13,8 +13,9 @@ points at loopback and nothing listens there (moto). It follows the trainer unti
 stops everything it started, and reports what the run produced.
 
 Differences from a cluster are data of the placement: one pod per Deployment (one vLLM
-replica) and `sandboxes.minWarm` (at least one) sandbox pods regardless of the pool bounds,
-the gateway given its members instead of watching pods; no network policy, no resource
+replica); the operator's part of the sandbox pool (create, replace retired and failed
+sandboxes, size by demand) done by `asyncgrpo.local.sandbox_pool` with processes, the gateway
+following its members file instead of watching pods; no network policy, no resource
 limits (sandbox commands run as an unprivileged uid when started as root, see
 docs/sandboxes.md); on a machine with two or more cores vLLM and the trainer are pinned to
 different cores, since they starve each other otherwise.
@@ -311,10 +312,8 @@ class LocalBackend:
                 self.sandbox_pool = pool
                 self.scrape_urls.append(_metrics_url(gw.ready_url))
                 self.say(f"started {len(pool.sandboxes)} sandbox server(s) behind a gateway on "
-                         f"{_host_port(gw.ready_url)} (lifecycle {pool.lifecycle}: "
-                         + ("a fresh sandbox per group, up to "
-                            if pool.lifecycle == "FreshPerGroup" else "reset between groups, up to ")
-                         + f"{pool.cap} at once)")
+                         f"{_host_port(gw.ready_url)} (lifecycle {pool.lifecycle}, at most "
+                         f"{pool.cap} at once)")
             code = self._train([procs[pod.name][0] for pod in by[trainer.COMPONENT]], servers,
                                poll_s)
             if code == 0:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -125,7 +126,8 @@ def test_fresh_per_group_gives_each_group_a_new_sandbox_process_and_workspace():
         assert len(used) == 5
         # the pool refills: warm ones kept beside what is busy, never a used one again
         _until(lambda: not set(pool.members()) & used and len(pool.members()) >= 2)
-        assert pool.discarded >= 4 and pool.created >= 6
+        _until(lambda: pool.discarded == 5)  # each used one stopped and deleted, no other
+        assert pool.created >= 7
 
 
 def test_reuse_resets_and_leases_the_same_sandbox_process_again():
@@ -137,3 +139,12 @@ def test_reuse_resets_and_leases_the_same_sandbox_process_again():
         assert b["seen"] == "no-mark"  # the reset wiped group A's session
         assert pool.discarded == 0 and list(pool.members()) == [a["sandbox"]]
         assert (workdir / a["sandbox"] / "workspace").is_dir()
+
+        # a sandbox process that dies is replaced (its log kept), as a failed pod would be
+        os.kill(a["pid"], signal.SIGKILL)
+        _until(lambda: a["sandbox"] not in pool.members() and len(pool.members()) == 1)
+        c = _in_group(client, pool, "group-c")
+        assert c["sandbox"] != a["sandbox"] and c["pid"] != a["pid"]
+        assert (workdir / f"{a['sandbox']}.log").exists()
+        d = _in_group(client, pool, "group-d")
+        assert (d["sandbox"], d["pid"]) == (c["sandbox"], c["pid"])  # and reused in turn

@@ -33,8 +33,10 @@ import logging
 import os
 import shutil
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +53,7 @@ from asyncgrpo.local.placement import (
 )
 from asyncgrpo.local.pods import LocalPlacement, LocalProcess, translate_pod
 from asyncgrpo.local.processes import ManagedProcess
-from asyncgrpo.sandbox.pool import RETIRED
+from asyncgrpo.sandbox.pool import BUSY, RETIRED, WARM
 from asyncgrpo.sandbox.sizing import desired_pool_size
 
 log = logging.getLogger("asyncgrpo.local.sandbox_pool")
@@ -64,6 +66,9 @@ POLL_SECONDS = 0.25
 REFILL_HORIZON_SECONDS = 8.0
 #: a discarded sandbox server gets this long to stop after SIGTERM (it kills its commands)
 STOP_SECONDS = 5.0
+#: after a sandbox process exits before it ever served, creations pause this long, doubled
+#: per such exit in a row (a broken image or flag must not become a start/exit loop)
+FAILURE_BACKOFF_SECONDS = (0.5, 30.0)
 
 
 @dataclass
@@ -72,6 +77,7 @@ class _Sandbox:
     url: str
     process: LocalProcess
     proc: ManagedProcess
+    served: bool = False  # the gateway listed it warm or busy once
 
 
 class LocalSandboxPool:
@@ -95,7 +101,7 @@ class LocalSandboxPool:
         self.cap = max(1, min(sb.max, sb.hard_cap))
         self.members_file = members_file(workdir)
         self.sandboxes: dict[str, _Sandbox] = {}
-        #: sandboxes stopped and deleted so far, and how many the pool started
+        #: sandboxes discarded, stopped and deleted so far, and how many the pool started
         self.discarded = 0
         self.created = 0
         self._first = list(pods)
@@ -105,6 +111,9 @@ class LocalSandboxPool:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._demand_url: str | None = None
+        self._failures = 0          # sandbox processes in a row that exited before serving
+        self._cleaner = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sandbox-cleanup")
+        self._hold_until = 0.0      # no creation before this (time.monotonic)
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -130,8 +139,10 @@ class LocalSandboxPool:
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self._lock:
-            for box in self.sandboxes.values():
-                box.proc.stop(timeout=STOP_SECONDS)
+            boxes = list(self.sandboxes.values())
+        for box in boxes:  # side by side: each server kills its commands, then exits
+            self._cleaner.submit(box.proc.stop, STOP_SECONDS)
+        self._cleaner.shutdown(wait=True)  # and the discarded ones stopped and deleted
 
     def _loop(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
@@ -159,7 +170,11 @@ class LocalSandboxPool:
             changed = False
             for name, box in list(self.sandboxes.items()):
                 state = members.get(name)
+                if state in (WARM, BUSY):
+                    box.served, self._failures = True, 0
                 if state in REPLACED_STATES or not box.proc.running:
+                    if not box.proc.running and not box.served:
+                        self._failed(box)
                     self._discard(name, keep_log=state != RETIRED)
                     changed = True
             current = len(self.sandboxes)
@@ -173,11 +188,21 @@ class LocalSandboxPool:
                     min_warm=refill_warm(self.warm, demand.consumption_per_second,
                                          REFILL_HORIZON_SECONDS),
                     max_size=self.cap, hard_cap=self.cap, max_step=self.cap)
+            if time.monotonic() < self._hold_until:
+                target = current
             for _ in range(target - current):
                 self._create()
                 changed = True
             if changed:
                 self._write()
+
+    def _failed(self, box: _Sandbox) -> None:
+        self._failures += 1
+        first, most = FAILURE_BACKOFF_SECONDS
+        pause = min(most, first * 2 ** (self._failures - 1))
+        self._hold_until = time.monotonic() + pause
+        self.say(f"sandbox {box.pod.name} exited with {box.proc.proc.returncode} before it "
+                 f"served (see {box.proc.log_path}); next sandbox in {pause:g} s")
 
     def _create(self) -> None:
         built = sandboxes.build_pod(self.run, f"local{self._ordinal}")
@@ -201,15 +226,20 @@ class LocalSandboxPool:
         self.created += 1
 
     def _discard(self, name: str, keep_log: bool) -> None:
-        """Stop the sandbox's process group and delete its pod's directories (its workspace
-        and /tmp emptyDirs); its log too, unless it failed (kept for a look)."""
+        """Out of the pool now; its process group stopped and its pod's directories (its
+        workspace and /tmp emptyDirs) deleted in the background, so a round never waits for a
+        server to exit; its log deleted too, unless it failed (kept for a look)."""
         box = self.sandboxes.pop(name)
+        self.placement = drop_pod(self.placement, name)
+        self._cleaner.submit(self._clean, box, keep_log)
+
+    def _clean(self, box: _Sandbox, keep_log: bool) -> None:
         box.proc.stop(timeout=STOP_SECONDS)
-        shutil.rmtree(self.workdir / name, ignore_errors=True)
+        shutil.rmtree(self.workdir / box.pod.name, ignore_errors=True)
         if not keep_log:
             box.proc.log_path.unlink(missing_ok=True)
-        self.placement = drop_pod(self.placement, name)
-        self.discarded += 1
+        with self._lock:
+            self.discarded += 1
 
     def _write(self) -> None:
         doc = {name: box.url for name, box in self.sandboxes.items()}

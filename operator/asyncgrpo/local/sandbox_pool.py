@@ -61,9 +61,9 @@ log = logging.getLogger("asyncgrpo.local.sandbox_pool")
 #: how often the pool reads the gateway's demand (the operator: every resync, 10 s)
 POLL_SECONDS = 0.25
 #: seconds between a sandbox being consumed and its replacement serving locally: a poll, a
-#: server process start (a second or two) and up to one gateway health round (5 s) before
-#: the reset that makes it warm; the warm count covers this much consumption
-REFILL_HORIZON_SECONDS = 8.0
+#: server process start (1-3 s on a loaded 2-core machine), the gateway's startup probe
+#: (0.25 s) and a reset; the warm count covers this much consumption
+REFILL_HORIZON_SECONDS = 5.0
 #: a discarded sandbox server gets this long to stop after SIGTERM (it kills its commands)
 STOP_SECONDS = 5.0
 #: after a sandbox process exits before it ever served, creations pause this long, doubled

@@ -307,13 +307,7 @@ class LocalBackend:
             self.say("vLLM ready on " + ", ".join(
                 f"{_host_port(lp.ready_url)} ({lp.name})" for lp in vllm_pod))
             if by[gateway.COMPONENT]:
-                pool, gw = start_sandbox_part(self.run, pods, procs, self.placement,
-                                              self.workdir, started=self.started, say=self.say)
-                self.sandbox_pool = pool
-                self.scrape_urls.append(_metrics_url(gw.ready_url))
-                self.say(f"started {len(pool.sandboxes)} sandbox server(s) behind a gateway on "
-                         f"{_host_port(gw.ready_url)} (lifecycle {pool.lifecycle}, at most "
-                         f"{pool.cap} at once)")
+                self._start_sandboxes(pods, procs)
             code = self._train([procs[pod.name][0] for pod in by[trainer.COMPONENT]], servers,
                                poll_s)
             if code == 0:
@@ -322,6 +316,16 @@ class LocalBackend:
             return code
         finally:
             self.stop()
+
+    def _start_sandboxes(self, pods: list[Pod], procs: dict[str, list[LocalProcess]]) -> None:
+        """The sandbox pool's first pods, the gateway, and the pool following the gateway."""
+        pool, gw = start_sandbox_part(self.run, pods, procs, self.placement, self.workdir,
+                                      started=self.started, say=self.say)
+        self.sandbox_pool = pool
+        self.scrape_urls.append(_metrics_url(gw.ready_url))
+        self.say(f"started {len(pool.sandboxes)} sandbox server(s) behind a gateway on "
+                 f"{_host_port(gw.ready_url)} (lifecycle {pool.lifecycle}, at most "
+                 f"{pool.cap} at once)")
 
     def _train(self, nodes: list[LocalProcess], servers: list[ManagedProcess],
                poll_s: float) -> int:

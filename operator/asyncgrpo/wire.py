@@ -141,6 +141,9 @@ GATEWAY_NAMESPACE_ENV = GATEWAY_ENV_PREFIX + "NAMESPACE"
 GATEWAY_SANDBOX_PORT_ENV = GATEWAY_ENV_PREFIX + "SANDBOX_PORT"
 GATEWAY_MAX_EXEC_ENV = GATEWAY_ENV_PREFIX + "MAX_EXEC_SECONDS"
 GATEWAY_MEMBERS_ENV = GATEWAY_ENV_PREFIX + "MEMBERS"
+#: a JSON file {member name: base URL} the gateway follows (the local backend's sandbox pool
+#: keeps it: asyncgrpo.local.sandbox_pool); members it drops are removed, new ones added
+GATEWAY_MEMBERS_FILE_ENV = GATEWAY_ENV_PREFIX + "MEMBERS_FILE"
 GATEWAY_LIFECYCLE_ENV = GATEWAY_ENV_PREFIX + "LIFECYCLE"
 #: set by a user (never by the operator) for the processes of one trainer that must share
 #: sandbox groups; read by asyncgrpo.sandbox.client

@@ -15,7 +15,7 @@ from asyncgrpo.api import load_run
 from asyncgrpo.controller import gateway, trainer, vllm
 from asyncgrpo.controller.configmap import run_document
 from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, SANDBOX_TOKEN_KEY, secret_name
-from asyncgrpo.local.placement import build_placement, run_pods
+from asyncgrpo.local.placement import build_placement, members_file, run_pods
 from asyncgrpo.local.pods import (
     ImageRuntime,
     LocalPlacement,
@@ -108,9 +108,12 @@ def test_sandbox_pods_gateway_and_tokens(tmp_path):
     (gw,) = [p.name for p in pods if p.component == "gateway"]
     assert len(boxes) == 2
     g = procs[gw]
-    # the gateway is told its members instead of watching pods; it binds its own address
-    assert g.env["ASYNCGRPO_GATEWAY_MEMBERS"].split(",") == [
-        f"http://{placement.addresses[b]}:{SANDBOX_PORT}" for b in boxes]
+    # the gateway follows the local pool's members file instead of watching pods (the pool,
+    # tests/local/test_sandbox_pool.py, writes it); it binds its own address
+    assert g.env["ASYNCGRPO_GATEWAY_MEMBERS_FILE"] == str(members_file(tmp_path).resolve())
+    assert "ASYNCGRPO_GATEWAY_MEMBERS" not in g.env
+    for b in boxes:  # each sandbox on its own address: the URL the pool writes for it
+        assert procs[b].ready_url == f"http://{placement.addresses[b]}:{SANDBOX_PORT}/healthz"
     assert g.env[BIND_HOST_ENV] == placement.addresses[gw]
     assert g.env["ASYNCGRPO_GATEWAY_NAMESPACE"] == "default"  # fieldRef
     assert g.argv == ["asyncgrpo", "gateway"]

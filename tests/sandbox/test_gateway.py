@@ -345,3 +345,46 @@ def test_batched_heartbeats_keep_leases_and_report_ended_ones(pool_of_three):
     assert client.heartbeat_many([a, b]) == {b.lease_id: "lease_released"}
     client.release(a)
     client.close()
+
+
+def test_a_members_file_is_followed_and_its_members_retired_fresh(tmp_path):
+    """`--members-file` (the local backend's pool keeps it): lifecycle fresh holds, since the
+    writer replaces members; a member added to the file turns warm without waiting for a
+    health round (startup probe); one dropped from it is removed, its lease ended
+    sandbox_lost; an unreadable file keeps the members as they are."""
+    a, b = start_sandbox(tmp_path, "fa"), start_sandbox(tmp_path, "fb")
+    path = tmp_path / "members.json"
+
+    def write(doc) -> None:
+        (tmp_path / "m.tmp").write_text(doc if isinstance(doc, str) else json.dumps(doc))
+        os.replace(tmp_path / "m.tmp", path)
+
+    write({"box-a": a.url})
+    # a health round far longer than the test: only the startup probe can make b warm
+    gw = start_gateway(tmp_path, None, "--members-file", str(path), "--lifecycle", "fresh",
+                       "--health-interval-seconds", "600")
+    try:
+        wait_until(lambda: demand(gw)["members"] == {"box-a": "warm"}, 30, what="box-a warm")
+        assert demand(gw)["lifecycle"] == "fresh"
+        with gw_client(gw) as c:
+            first = c.post("/v1/leases", json={"group_id": "g1", "group_key": GROUP_KEY}).json()
+            assert first["sandbox"] == "box-a"
+            assert c.delete(f"/v1/leases/{first['lease_id']}",
+                            headers={"authorization": f"Bearer {first['secret']}"}).status_code == 200
+            wait_until(lambda: demand(gw)["members"] == {"box-a": "retired"}, 30, what="retired")
+            write({"box-b": b.url})  # the writer replaces the retired member
+            wait_until(lambda: demand(gw)["members"] == {"box-b": "warm"}, 30, what="box-b warm")
+            second = c.post("/v1/leases", json={"group_id": "g2", "group_key": GROUP_KEY}).json()
+            assert second["sandbox"] == "box-b"
+            write("{not json")  # kept as they are
+            wait_until(lambda: "members file" in gw.logs(), 10, what="the warning")
+            assert demand(gw)["members"] == {"box-b": "busy"}
+            write({})  # dropped while leased: the lease ends
+            wait_until(lambda: demand(gw)["members"] == {}, 30, what="box-b removed")
+            with holder(gw, second) as h:
+                r = h.post(f"/v1/leases/{second['lease_id']}/heartbeat")
+            assert r.status_code == 410 and r.json()["error"] == "sandbox_lost", r.text
+    finally:
+        gw.stop()
+        a.stop()
+        b.stop()

@@ -13,8 +13,9 @@ points at loopback and nothing listens there (moto). It follows the trainer unti
 stops everything it started, and reports what the run produced.
 
 Differences from a cluster are data of the placement: one pod per Deployment (one vLLM
-replica) and `sandboxes.minWarm` (at least one) sandbox pods regardless of the pool bounds,
-the gateway given its members instead of watching pods; no network policy, no resource
+replica); the operator's part of the sandbox pool (create, replace retired and failed
+sandboxes, size by demand) done by `asyncgrpo.local.sandbox_pool` with processes, the gateway
+following its members file instead of watching pods; no network policy, no resource
 limits (sandbox commands run as an unprivileged uid when started as root, see
 docs/sandboxes.md); on a machine with two or more cores vLLM and the trainer are pinned to
 different cores, since they starve each other otherwise.
@@ -45,9 +46,10 @@ from asyncgrpo.local.placement import (
     run_pods,
     termination_log,
 )
-from asyncgrpo.local.pods import LocalProcess, PodTranslationError, translate_pod
+from asyncgrpo.local.pods import LocalPlacement, LocalProcess, PodTranslationError, translate_pod
 from asyncgrpo.local.processes import ManagedProcess
 from asyncgrpo.local.s3 import S3Server
+from asyncgrpo.local.sandbox_pool import LocalSandboxPool, start_sandbox_part
 from asyncgrpo.wire import BIND_HOST_ENV, METRICS_PORT_ENV, WORK_DIR_ENV
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -86,6 +88,10 @@ class LocalBackend:
     preflight: bool = True
     #: the run file, for the `asyncgrpo pull` line of final_output
     run_file: Path | None = None
+    #: the pods' placement, once `_processes` built it
+    placement: LocalPlacement | None = None
+    #: the sandbox processes and the gateway's members file (`spec.sandboxes`), once started
+    sandbox_pool: LocalSandboxPool | None = None
     _locks: list = field(default_factory=list)
     _stopped_s3: S3Server | None = None
 
@@ -252,7 +258,7 @@ class LocalBackend:
         procs = [self._start(lp, wait=False) for lp in containers]
         for proc, lp in zip(procs, containers):
             if lp.ready_url:
-                _wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
+                wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
         return procs
 
     def _processes(self) -> tuple[list[Pod], dict[str, list[LocalProcess]]]:
@@ -265,6 +271,7 @@ class LocalBackend:
             placement = build_placement(self.run, pods, self.workdir,
                                         s3_credentials=dict(self.env),
                                         max_steps=self.max_steps, cpus=_split_cpus())
+            self.placement = placement
             return pods, {p.name: translate_pod(p.name, p.spec, placement) for p in pods}
         except (ValueError, PodTranslationError) as e:
             raise LocalRunError(f"cannot run this run's pods locally: {e}") from None
@@ -299,13 +306,8 @@ class LocalBackend:
                                 if lp.container != vllm.PULLER_CONTAINER and lp.ready_url]
             self.say("vLLM ready on " + ", ".join(
                 f"{_host_port(lp.ready_url)} ({lp.name})" for lp in vllm_pod))
-            for pod in by[sandboxes.COMPONENT]:
-                self._start_pod(procs[pod.name])
-            for pod in by[gateway.COMPONENT]:
-                self._start_pod(procs[pod.name])
-                self.scrape_urls.append(_metrics_url(procs[pod.name][0].ready_url))
-                self.say(f"started {len(by[sandboxes.COMPONENT])} sandbox server(s) behind a "
-                         f"gateway on {_host_port(procs[pod.name][0].ready_url)}")
+            if by[gateway.COMPONENT]:
+                self._start_sandboxes(pods, procs)
             code = self._train([procs[pod.name][0] for pod in by[trainer.COMPONENT]], servers,
                                poll_s)
             if code == 0:
@@ -314,6 +316,16 @@ class LocalBackend:
             return code
         finally:
             self.stop()
+
+    def _start_sandboxes(self, pods: list[Pod], procs: dict[str, list[LocalProcess]]) -> None:
+        """The sandbox pool's first pods, the gateway, and the pool following the gateway."""
+        pool, gw = start_sandbox_part(self.run, pods, procs, self.placement, self.workdir,
+                                      started=self.started, say=self.say)
+        self.sandbox_pool = pool
+        self.scrape_urls.append(_metrics_url(gw.ready_url))
+        self.say(f"started {len(pool.sandboxes)} sandbox server(s) behind a gateway on "
+                 f"{_host_port(gw.ready_url)} (lifecycle {pool.lifecycle}, at most "
+                 f"{pool.cap} at once)")
 
     def _train(self, nodes: list[LocalProcess], servers: list[ManagedProcess],
                poll_s: float) -> int:
@@ -427,11 +439,11 @@ def start_process(lp: LocalProcess, log_dir: Path, *, started: list, wait: bool 
                                 cpus=set(lp.cpus) if lp.cpus else None)
     started.append(proc)
     if wait and lp.ready_url:
-        _wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
+        wait_ready(proc, lp.ready_url, lp.ready_timeout_s)
     return proc
 
 
-def _wait_ready(proc: ManagedProcess, url: str, timeout_s: float) -> None:
+def wait_ready(proc: ManagedProcess, url: str, timeout_s: float) -> None:
     """Poll the container's readiness probe until it answers 200, as a kubelet would."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

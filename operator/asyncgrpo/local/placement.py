@@ -12,12 +12,14 @@ interpreters and ENV, and the CPUs vLLM and the trainer are pinned to.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shutil
 import socket
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -31,7 +33,7 @@ from asyncgrpo.local.net import free_port
 from asyncgrpo.local.pods import ImageRuntime, LocalPlacement, parse_dockerfile_env
 from asyncgrpo.local.vllm import PACKAGE_ROOT, vllm_venv
 from asyncgrpo.wire import (
-    GATEWAY_MEMBERS_ENV,
+    GATEWAY_MEMBERS_FILE_ENV,
     MAX_STEPS_ENV,
     TERMINATION_LOG_ENV,
     TRAINER_RENDEZVOUS_PORT,
@@ -157,6 +159,12 @@ def _address_block() -> str:
     return f"127.{1 + secrets.randbelow(254)}.{secrets.randbelow(256)}"
 
 
+def members_file(workdir: Path) -> Path:
+    """The gateway's members (`--members-file`), kept by the local sandbox pool
+    (`asyncgrpo.local.sandbox_pool`) in place of the pod watch a cluster gateway has."""
+    return workdir / "sandbox-members.json"
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -225,12 +233,10 @@ def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
         values[(ref.name, ref.access_key_id_key)] = s3_credentials["AWS_ACCESS_KEY_ID"]
         values[(ref.name, ref.secret_access_key_key)] = s3_credentials["AWS_SECRET_ACCESS_KEY"]
     overrides: dict[str, dict[str, str]] = {}
-    sandbox_urls = [f"http://{addresses[p.name]}:{_named_port(p, 'http', ports)}"
-                    for p in pods if p.component == sandboxes.COMPONENT]
     for p in pods:
         mine = overrides.setdefault(p.name, {})
-        if p.component == gateway.COMPONENT:  # no pod watch: the members are known here
-            mine[GATEWAY_MEMBERS_ENV] = ",".join(sandbox_urls)
+        if p.component == gateway.COMPONENT:  # no pod watch: the local pool's members file
+            mine[GATEWAY_MEMBERS_FILE_ENV] = str(members_file(workdir).resolve())
         if p.component == trainer.COMPONENT and max_steps is not None:  # --max-steps
             mine[MAX_STEPS_ENV] = str(max_steps)
         if any(c.get("terminationMessagePath") for c in p.spec["containers"]):
@@ -258,7 +264,46 @@ def build_placement(run: AsyncGRPORun, pods: list[Pod], workdir: Path, *,
     )
 
 
-def _named_port(pod: Pod, port_name: str, ports: dict[int, int]) -> int:
+def named_port(pod: Pod, port_name: str, ports: Mapping[int, int]) -> int:
+    """The local port of the pod's (single container's) port called `port_name`."""
     (c,) = pod.spec["containers"]
     port = next(p["containerPort"] for p in c["ports"] if p.get("name") == port_name)
     return ports.get(port, port)
+
+
+def add_pod(placement: LocalPlacement, run: AsyncGRPORun, pod: Pod, workdir: Path,
+            after: str | None = None) -> LocalPlacement:
+    """The placement with one more pod, started while the run runs (a sandbox the local pool
+    adds): a loopback address of its own in the run's block, where its ports bind (the next
+    free one after `after`, so a freed address is taken again last; another block once the
+    run's is full), and fresh directories for its volumes."""
+    ports = [placement.ports.get(cp["containerPort"], cp["containerPort"])
+             for c in pod.spec["containers"] for cp in c.get("ports", [])]
+    taken = set(placement.addresses.values())
+    some = next(iter(placement.addresses.values()), None)
+    block = some.rsplit(".", 1)[0] if some else _address_block()
+    start = int(after.rsplit(".", 1)[1]) if after and after.startswith(block + ".") else 0
+    address = None
+    for _ in range(4):
+        for k in range(254):
+            candidate = f"{block}.{(start + k) % 254 + 1}"
+            if candidate not in taken and all(_bindable(candidate, port) for port in ports):
+                address = candidate
+                break
+        if address is not None:
+            break
+        block, start = _address_block(), 0
+    if address is None:
+        raise ValueError(f"no loopback address free for pod {pod.name}")
+    return dataclasses.replace(
+        placement, addresses={**placement.addresses, pod.name: address},
+        volumes={**placement.volumes, pod.name: _volumes(run, pod, workdir)})
+
+
+def drop_pod(placement: LocalPlacement, pod_name: str) -> LocalPlacement:
+    """The placement without a pod that is gone (its address free again)."""
+    return dataclasses.replace(
+        placement, addresses={k: v for k, v in placement.addresses.items() if k != pod_name},
+        volumes={k: v for k, v in placement.volumes.items() if k != pod_name},
+        overrides={k: v for k, v in placement.overrides.items() if k != pod_name},
+        cpus={k: v for k, v in placement.cpus.items() if k != pod_name})

@@ -96,7 +96,10 @@ def register(subparsers) -> None:
     _add(gw, "--host", G + "HOST", bind_host)
     _add(gw, "--port", G + "PORT", GATEWAY_PORT, int)
     _add(gw, "--members", G + "MEMBERS", None,
-         help_="comma-separated sandbox base URLs (local mode); omit to watch pods on Kubernetes")
+         help_="comma-separated sandbox base URLs (a fixed list: run `reuse`); omit to watch pods on Kubernetes")
+    _add(gw, "--members-file", G + "MEMBERS_FILE", None,
+         help_="JSON file {name: base URL} of the sandboxes, followed while the gateway runs (the local "
+               "backend's pool rewrites it as it replaces retired sandboxes); omit to watch pods")
     _add(gw, "--namespace", G + "NAMESPACE", None,
          help_="namespace of the sandbox pods (default: the gateway pod's own namespace)")
     _add(gw, "--selector", G + "SELECTOR", None, help_="label selector of the run's sandbox pods")
@@ -122,7 +125,7 @@ def register(subparsers) -> None:
          "trainer may not reach sandbox pods)")
     _add(gw, "--lifecycle", G + "LIFECYCLE", "fresh", help_="fresh: a sandbox serves one group, then "
          "is retired and its pod replaced by the operator; reuse: reset and leased again (trusted "
-         "workloads). A fixed --members list cannot be replaced and runs reuse")
+         "workloads). A fixed --members list cannot be replaced and runs reuse; a --members-file can")
     _add(gw, "--max-waiters-per-client", G + "MAX_WAITERS_PER_CLIENT", 1024, int,
          help_="lease requests one client address may have waiting; more are refused with 429")
     gw.set_defaults(func=serve_gateway)

@@ -21,8 +21,8 @@ holder of the run token can name any group id, so the id is no credential.
 Lifecycle (`lifecycle`): `fresh` (default) retires a sandbox once its group's lease ends;
 the operator deletes the pod and creates a new one, the warm pool absorbing the pod start.
 `reuse` resets it for the next group (trusted workloads only). A member source that cannot
-replace its members (a fixed `--members` list, the local backend) runs `reuse`, and says so
-in the demand signal and the log.
+replace its members (a fixed `--members` list) runs `reuse`, and says so in the demand signal
+and the log; the local backend's `--members-file` can (its pool replaces retired processes).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from asyncgrpo.sandbox.pool import (
     FRESH,
     RETIRED,
     REUSE,
+    STARTING,
     LeaseGone,
     Member,
     NoSandbox,
@@ -79,6 +80,9 @@ log = logging.getLogger("asyncgrpo.sandbox.gateway")
 # sandbox counts its queueing in the timeout, so a sandbox silent past this is hung
 EXEC_SLACK_SECONDS = 5.0
 _FILE_CALL_SECONDS = 60.0
+# a member not yet answering (a pod or process just started) is probed this often until it
+# does, as a kubelet's startup probe: it turns warm within this of listening, not a health round
+STARTUP_PROBE_SECONDS = 0.25
 # a scoring run's setup before its command starts (sweep, reading the editable files, wipe,
 # writing the row's files): waited for on top of an exec's timeout and slack
 SCORE_SETUP_SECONDS = 10.0
@@ -236,7 +240,7 @@ class Gateway:
     async def _lifespan(self, _app):
         await self.http.start()
         tasks = [asyncio.create_task(t) for t in (self.source.run(self.pool), self._health_loop(),
-                                                   self._expiry_loop())]
+                                                   self._startup_loop(), self._expiry_loop())]
         try:
             yield
         finally:
@@ -321,6 +325,16 @@ class Gateway:
             if members:
                 await asyncio.gather(*(self.probe(m) for m in members), return_exceptions=True)
             await asyncio.sleep(self.settings.health_interval_seconds)
+
+    async def _startup_loop(self) -> None:
+        """New members (state `starting`) probed every STARTUP_PROBE_SECONDS: a fresh sandbox
+        that replaced a retired one serves as soon as it listens (a failed probe of a
+        starting member counts for nothing)."""
+        while True:
+            await asyncio.sleep(STARTUP_PROBE_SECONDS)
+            starting = [m for m in self.pool.members.values() if m.state == STARTING]
+            if starting:
+                await asyncio.gather(*(self.probe(m) for m in starting), return_exceptions=True)
 
     async def _expiry_loop(self) -> None:
         while True:

@@ -1,4 +1,4 @@
-"""Where the gateway learns which sandboxes exist: a fixed list, or a watch on pods.
+"""Where the gateway learns which sandboxes exist: a fixed list, a file, or a watch on pods.
 
 On Kubernetes the gateway lists and then watches the run's sandbox pods by label selector
 in one namespace (RBAC: get/list/watch on pods there, nothing else), so the API server is
@@ -6,11 +6,17 @@ asked once per pod change, never per exec. A pod is a member once it is Running 
 IP and not being deleted; readiness is the gateway's own health check, not the kubelet's,
 because a sandbox must also pass a reset before it is handed out. The watch resumes from
 its last resourceVersion and lists again when the server says that version is gone (410).
+
+Locally (`asyncgrpo local run`) the backend's sandbox pool (`asyncgrpo.local.sandbox_pool`)
+plays the operator's part: it starts sandbox server processes and keeps their list in a
+file, replaced atomically on each change; `FileMembers` follows that file as the pod watch
+follows pods, so retired members are removed and their replacements added.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -23,22 +29,74 @@ log = logging.getLogger("asyncgrpo.sandbox.members")
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
+def _check_url(u: str) -> str:
+    if urlparse(u).scheme not in ("http", "https") or not urlparse(u).netloc:
+        raise ValueError(f"not a sandbox base URL: {u!r}")
+    return u
+
+
 class StaticMembers:
-    """Local mode: a fixed list of sandbox base URLs; the name of each is its host:port.
+    """A fixed list of sandbox base URLs (`--members`); the name of each is its host:port.
 
     Nothing replaces a member of a fixed list, so the gateway runs such a pool `reuse`."""
 
     replaces_members = False
 
     def __init__(self, urls: Iterable[str]):
-        self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
-        for u in self.urls:
-            if urlparse(u).scheme not in ("http", "https") or not urlparse(u).netloc:
-                raise ValueError(f"not a sandbox base URL: {u!r}")
+        self.urls = [_check_url(u.strip().rstrip("/")) for u in urls if u.strip()]
 
     async def run(self, pool) -> None:
         for u in self.urls:
             pool.upsert(urlparse(u).netloc, u)
+
+
+class FileMembers:
+    """Members from a JSON file `{name: base URL}` that another process keeps (the local
+    backend's pool), read again whenever it changes (checked every `interval` seconds).
+
+    A name that leaves the file is removed (its lease, if any, ends `sandbox_lost`), a new
+    one added; the writer replaces retired members, so lifecycle `fresh` works. A missing
+    file is an empty pool; an unreadable one is logged and the members are kept as they are.
+    """
+
+    replaces_members = True
+
+    def __init__(self, path: str, interval: float = 0.1):
+        self.path = path
+        self.interval = interval
+
+    def read(self) -> dict[str, str]:
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            return {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{self.path}: not a JSON object of member name -> URL")  # noqa: TRY004
+        return {str(name): _check_url(str(url).strip().rstrip("/")) for name, url in doc.items()}
+
+    async def run(self, pool) -> None:
+        seen = None
+        while True:
+            try:
+                st = os.stat(self.path)
+                key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except FileNotFoundError:
+                key = None
+            if key != seen:
+                try:
+                    members = self.read()
+                except (OSError, ValueError) as err:
+                    log.warning("members file %s unreadable: %s; members kept", self.path, err)
+                else:
+                    seen = key
+                    for name in [n for n in pool.members if n not in members]:
+                        pool.remove(name)
+                    for name, url in members.items():
+                        m = pool.members.get(name)
+                        if m is None or m.url != url:
+                            pool.upsert(name, url)
+            await asyncio.sleep(self.interval)
 
 
 def pod_member(pod, port: int) -> tuple[str, str | None]:
@@ -140,6 +198,8 @@ class KubernetesPodWatch:
 
 
 def member_source_from_args(args):
+    if getattr(args, "members_file", None):
+        return FileMembers(args.members_file)
     if args.members:
         try:
             return StaticMembers(args.members.split(","))
@@ -151,6 +211,7 @@ def member_source_from_args(args):
             namespace = f.read().strip()
     if not namespace or not args.selector:
         raise SystemExit(
-            "gateway: give --members URL,... (local) or --selector (and --namespace outside a pod)"
+            "gateway: give --members URL,... or --members-file PATH (local) or --selector "
+            "(and --namespace outside a pod)"
         )
     return KubernetesPodWatch(namespace, args.selector, args.sandbox_port)

@@ -15,6 +15,13 @@ under the per-client bound); the bystander's heartbeats (`POST /v1/leases/{id}/h
 one at a time over a kept-alive connection) are timed with 0 and with N waiting
 (p50/p99), and the gateway's own CPU (from /proc) is read across the N enqueues and the N
 leaves (the waiters hang up).
+
+The waiters arrive in waves (`--wave`, 500): each wave's requests are queued at the gateway
+before the next wave opens its connections. `--wave 0` opens all N at once from this one
+process; on a busy machine some of its connections then send nothing for more than the
+gateway's 10 s request-head timeout after their accept (this process has not written them
+yet), and the gateway closes them as it closes any silent connection (counted in the last
+row, `requests_rejected_total{reason="header_timeout"}`; see docs/benchmarks/lease-queue.md).
 """
 
 from __future__ import annotations
@@ -118,12 +125,16 @@ def _start(n: int) -> tuple[list[subprocess.Popen], str]:
     procs.append(subprocess.Popen(
         [*cli, "gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--members", f"http://127.0.0.1:{sb_port}",
          "--max-wait-seconds", "900", "--max-waiters-per-client", str(max(1024, n // len(CLIENT_HOSTS) + 1)),
-         "--health-interval-seconds", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+         "--health-interval-seconds", "5",
+         # the bystander beats only while timed: its lease must outlive a slow enqueue phase
+         # (60 s, the default TTL, was not enough on a busy machine: the lease expired and its
+         # sandbox went to a waiter)
+         "--lease-ttl-seconds", "3600"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     wait_for_port(gw_port)
     return procs, f"http://127.0.0.1:{gw_port}"
 
 
-async def _http(url: str, gw_pid: int, n: int, beats: int) -> dict:
+async def _http(url: str, gw_pid: int, n: int, beats: int, wave: int) -> dict:
     import aiohttp
     import httpx
 
@@ -150,19 +161,33 @@ async def _http(url: str, gw_pid: int, n: int, beats: int) -> dict:
         sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(
             limit=0, local_addr=(host, 0), force_close=True)) for host in CLIENT_HOSTS]
 
-        async def wait_one(i: int) -> None:
+        async def wait_one(i: int) -> str:
             s = sessions[i % len(sessions)]
             async with s.post(f"{url}/v1/leases", json={"group_id": f"g{i}", "wait_seconds": 900},
                               headers=control, timeout=aiohttp.ClientTimeout(total=None)) as r:
-                await r.read()
+                return f"answered {r.status}: {(await r.read())[:200]!r}"
+
+        async def head_timeouts() -> int:
+            for line in (await c.get("/metrics")).text.splitlines():
+                if line.startswith('asyncgrpo_gateway_requests_rejected_total{reason="header_timeout"}'):
+                    return int(float(line.split()[-1]))
+            return 0
 
         c0, t0 = _cpu(gw_pid), time.perf_counter()
-        waiters = [asyncio.ensure_future(wait_one(i)) for i in range(n)]
-        while (await c.get("/v1/demand")).json()["waiting"] < n:
-            if any(w.done() for w in waiters):
-                bad = next(w for w in waiters if w.done())
-                raise RuntimeError(f"a waiter ended early: {bad.exception()!r}")
-            await asyncio.sleep(0.2)
+        waiters: list[asyncio.Future] = []
+        step = wave or n
+        while len(waiters) < n:
+            # a wave of lease requests, all counted waiting by the gateway before the next
+            # (wave 0: all n at once, one client process opening n connections in one burst)
+            waiters += [asyncio.ensure_future(wait_one(i)) for i in range(len(waiters), min(n, len(waiters) + step))]
+            while (await c.get("/v1/demand")).json()["waiting"] < len(waiters):
+                if any(w.done() for w in waiters):
+                    bad = [w for w in waiters if w.done()]
+                    await asyncio.sleep(1)
+                    raise RuntimeError(f"{sum(w.done() for w in waiters)} of {len(waiters)} waiters ended "
+                                       f"early, the first: {bad[0].exception() or bad[0].result()!r}; connections closed by the "
+                                       f"gateway's request-head timeout: {await head_timeouts()}")
+                await asyncio.sleep(0.05)
         out["enqueue_cpu"], out["enqueue_wall"] = _cpu(gw_pid) - c0, time.perf_counter() - t0
         c1 = _cpu(gw_pid)
         out["loaded"] = await heartbeats()
@@ -177,13 +202,14 @@ async def _http(url: str, gw_pid: int, n: int, beats: int) -> dict:
             await asyncio.sleep(0.2)
         out["leave_cpu"], out["leave_wall"] = _cpu(gw_pid) - c2, time.perf_counter() - t2
         await c.delete(f"/v1/leases/{held['lease_id']}", headers=mine)
+        out["head_timeouts"] = await head_timeouts()
     return out
 
 
-def http_main(n: int, beats: int) -> None:
+def http_main(n: int, beats: int, wave: int) -> None:
     procs, url = _start(n)
     try:
-        r = asyncio.run(_http(url, procs[1].pid, n, beats))
+        r = asyncio.run(_http(url, procs[1].pid, n, beats, wave))
     finally:
         for p in procs:
             p.terminate()
@@ -204,6 +230,8 @@ def http_main(n: int, beats: int) -> None:
           f"   ({n} in {r['leave_wall']:.1f} s)")
     print(f"heartbeat samples                     {len(r['idle']):12d} {len(r['loaded']):14d}"
           f"   (mean {statistics.mean(r['loaded']) * 1e3:.2f} ms)")
+    print(f"closed by the request-head timeout    {'':12} {r['head_timeouts']:14d}"
+          f"   (waves of {wave or n})")
     sys.stdout.flush()
 
 
@@ -212,10 +240,13 @@ def main() -> None:
     ap.add_argument("--waiters", type=int, default=10_000)
     ap.add_argument("--http", action="store_true", help="against a real gateway over HTTP")
     ap.add_argument("--beats", type=int, default=200, help="heartbeats timed per phase (--http)")
+    ap.add_argument("--wave", type=int, default=500,
+                    help="lease requests opened at a time (--http), each wave queued before the next; "
+                         "0: all at once")
     args = ap.parse_args()
     n = args.waiters
     if args.http:
-        http_main(n, args.beats)
+        http_main(n, args.beats, args.wave)
         return
     old = _old_pool_module()
     o_cpu, o_beat = asyncio.run(_measure(old, n, new=False))

@@ -9,6 +9,7 @@ which is how the gateway tells clients apart.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 import httpx
@@ -161,3 +162,68 @@ def test_a_client_over_its_waiter_bound_gets_429_and_others_still_queue(tmp_path
     finally:
         gw.stop()
         sb.stop()
+
+
+def test_waiters_that_hang_up_leave_the_queue_without_an_error(one_busy_sandbox):
+    """A waiter that hangs up gives its place up, and the gateway's handler ends quietly.
+
+    Before: the handler cancelled its acquire task and read its result at once, before the
+    cancellation had run (`InvalidStateError`): a 500 and a traceback in the gateway's log
+    for every waiter that left (10,000 of them per `bench/lease_queue_bench.py --http` run).
+    """
+    gw, first = one_busy_sandbox
+    body = b'{"group_id": "%s", "wait_seconds": 60}'
+    socks = []
+    for i in range(5):
+        s = socket.create_connection(("127.0.0.1", gw.port))
+        payload = body % f"gone{i}".encode()
+        s.sendall(b"POST /v1/leases HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + GW_TOKEN.encode() + b"\r\n"
+                  b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        socks.append(s)
+    wait_until(lambda: demand(gw)["waiting"] == 5, 20, what="5 waiters")
+    for s in socks:
+        s.close()
+    wait_until(lambda: demand(gw)["waiting"] == 0, 20, what="the waiters gone from the queue")
+    logs = gw.logs()
+    assert "InvalidStateError" not in logs and "Exception in ASGI application" not in logs, logs[-2000:]
+    with gw_client(gw) as c:  # the queue still serves: the next request gets the next grant
+        holder(gw, first).delete(f"/v1/leases/{first['lease_id']}")
+        assert c.post("/v1/leases", json={"group_id": "after", "wait_seconds": 10}).status_code == 200
+
+
+def test_a_waiter_outlasting_the_head_timeout_keeps_its_place_while_a_silent_connection_is_cut(
+        one_busy_sandbox):
+    """The request-head timeout (10 s from accept) closes a connection that sends nothing, and
+    counts it; it never closes a lease request whose head is in, however long it waits.
+
+    This is what `bench/lease_queue_bench.py --http` hit (docs/benchmarks/lease-queue.md): the
+    connections the gateway closed had sent no byte within 10 s of their accept (the bench's
+    one client process, opening 10,000 connections at once on a busy machine, had not written
+    them yet); no waiting request was ever closed. Before, those closes were not counted.
+    """
+    from asyncgrpo.sandbox.http_guard import HEADER_TIMEOUT_SECONDS
+
+    gw, first = one_busy_sandbox
+    answer: dict = {}
+
+    def wait() -> None:
+        with httpx.Client(headers={"authorization": f"Bearer {GW_TOKEN}"}, timeout=120) as h:
+            r = h.post(f"{gw.url}/v1/leases", json={"group_id": "patient", "wait_seconds": 60})
+            answer.update(status=r.status_code, body=r.json())
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wait_until(lambda: demand(gw)["waiting"] == 1, 20, what="the waiter queued")
+    silent = socket.create_connection(("127.0.0.1", gw.port))  # connects after the waiter did
+    silent.settimeout(HEADER_TIMEOUT_SECONDS * 6)
+    assert silent.recv(100) == b""  # closed by the gateway, no answer: the head timeout
+    silent.close()
+    # the waiter has now waited longer than that timeout on its own connection: still queued
+    assert demand(gw)["waiting"] == 1 and waiter.is_alive()
+    metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    assert 'asyncgrpo_gateway_requests_rejected_total{reason="header_timeout"} 1.0' in metrics
+    holder(gw, first).delete(f"/v1/leases/{first['lease_id']}")
+    waiter.join(30)
+    assert answer["status"] == 200 and answer["body"]["group_id"] == "patient", answer
+    holder(gw, answer["body"]).delete(f"/v1/leases/{answer['body']['lease_id']}")

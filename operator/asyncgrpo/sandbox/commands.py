@@ -156,7 +156,7 @@ def _uvicorn_config(app, host: str, port: int, **extra):
         timeout_keep_alive=30,  # the gateway's client drops idle connections at 15 s
         # h11 enforces the header size cap below (httptools would not); the subclass closes
         # connections that do not finish their request head within 10 s
-        http=header_timeout_protocol(),
+        http=header_timeout_protocol(on_expire=getattr(app, "on_reject", None)),
         # asyncio's own loop: uvicorn would pick uvloop wherever it is installed (uvicorn
         # [standard], trackio, ...), and uvloop's subprocess_exec refuses user/group: every
         # exec of a sandbox that drops to the command uid would answer 500

@@ -361,7 +361,10 @@ class Gateway:
                 gone.cancel()
                 if not acquiring.done():
                     acquiring.cancel()
-            if acquiring.cancelled():
+            # cancel() only asks: the task is not done (nor cancelled) until it has run its
+            # own clean-up, so a hang-up is "not done" here (reading its result raised
+            # InvalidStateError, a 500 and a traceback for every waiter that left)
+            if not acquiring.done() or acquiring.cancelled():
                 return Response(status_code=499)  # nobody reads it
             try:
                 hit = acquiring.result()

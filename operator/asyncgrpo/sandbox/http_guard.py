@@ -279,14 +279,24 @@ class _CoalescingTransport:
         return getattr(self._transport, name)
 
 
-def header_timeout_protocol(seconds: float = HEADER_TIMEOUT_SECONDS):
+def header_timeout_protocol(seconds: float = HEADER_TIMEOUT_SECONDS,
+                            on_expire: Callable[[str], None] | None = None):
     """uvicorn's h11 protocol, closing a connection that does not finish a request head in time,
     and sending each response in one write (`_CoalescingTransport`).
 
     uvicorn times out idle keep-alive connections but not a client that opens a connection
     and sends its request line and headers a byte at a time: each such client held a
     connection (and a file descriptor) for as long as it liked.
+
+    The timer runs from the connection's accept to the end of its first request head (and
+    from the first byte of each later head on a kept-alive connection); once a head is in,
+    nothing here closes the connection, so a lease request may wait as long as its
+    `wait_seconds`. Each close is reported as `on_expire("header_timeout")` (the servers
+    count it in their `requests_rejected_total`): a client that connects and then sends
+    nothing for `seconds` (a process too busy to write what it connected for) is closed
+    like a slow one, and that counter is where it shows.
     """
+    expired = on_expire or (lambda _reason: None)
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -320,6 +330,7 @@ def header_timeout_protocol(seconds: float = HEADER_TIMEOUT_SECONDS):
         def _expired(self) -> None:
             self._head_timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                expired("header_timeout")
                 self.transport.close()
 
     return HeaderTimeoutH11

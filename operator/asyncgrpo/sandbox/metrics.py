@@ -50,7 +50,8 @@ class SandboxMetrics:
         )
         self.rejected = Counter(
             "asyncgrpo_sandbox_requests_rejected_total",
-            "Requests refused (unauthorized, too_large, bad_length, too_many_waiters).", ["reason"], registry=r,
+            "Requests refused (unauthorized, too_large, bad_length, body_timeout, header_timeout, "
+            "too_many_waiters).", ["reason"], registry=r,
         )
 
 
@@ -109,5 +110,6 @@ class GatewayMetrics:
         )
         self.rejected = Counter(
             "asyncgrpo_gateway_requests_rejected_total",
-            "Requests refused (unauthorized, too_large, bad_length, too_many_waiters).", ["reason"], registry=r,
+            "Requests refused (unauthorized, too_large, bad_length, body_timeout, header_timeout, "
+            "too_many_waiters).", ["reason"], registry=r,
         )

@@ -19,8 +19,10 @@ removed whatever happens, so later tests schedule again.
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -215,11 +217,14 @@ def test_a_run_placed_on_a_tainted_pool_trains_and_one_without_says_why(e2e_stac
     ready = {p["metadata"]["name"]: start_to_ready(p) for p in model_pods}
     loads = [line.strip() for log in vllm_logs.values() for line in log.splitlines()
              if "Loading weights took" in line or "Model loading took" in line]
-    print("model cache:", json.dumps({
+    measured = json.dumps({
         **filled, "pod_starts_reading_the_cache": len(model_pods),
         "bytes_not_downloaded": filled["model_bytes"] * len(model_pods),
         "start_to_ready_seconds": ready, "vllm_model_load": loads,
-        "apply_to_succeeded_seconds": round(time.monotonic() - applied, 1)}))
+        "apply_to_succeeded_seconds": round(time.monotonic() - applied, 1)})
+    print("model cache:", measured)
+    if out := os.environ.get("ASYNCGRPO_BENCH_OUT"):   # docs/benchmarks/model-cache.md
+        (Path(out) / "model_cache_e2e.json").write_text(measured)
     assert all(v is not None for v in ready.values()), ready
 
     # the same run without the placement: its pods wait, and the run says why

@@ -27,8 +27,11 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo import wire
+from asyncgrpo.testing.node import HOST_IP
 
-from .conftest import E2E_TRAINER_IMAGE, MODEL_PATH, wait_for
+from .conftest import E2E_TRAINER_IMAGE, MODEL_PATH, model_folder, wait_for
+from .hub import REVISION as HUB_REVISION
+from .hub import HubServer
 from .test_runs_on_the_node import status_of
 from .test_tiny_lora_run import prompts_configmap, tiny_run
 
@@ -39,8 +42,8 @@ POOL = {"asyncgrpo.dev/e2e-pool": "gpu"}
 TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 ROLE = "arn:aws:iam::123456789012:role/e2e"
 HUB_ID = "asyncgrpo-e2e/tiny-qwen3"
-#: the revision the cache's refs/main names (any commit-like id: nothing online to match)
-REVISION = "0123456789abcdef0123456789abcdef01234567"
+#: the revision the cache's refs/main names: the stand-in hub's, so online pods find it cached
+REVISION = HUB_REVISION
 
 #: lays a model folder out as huggingface_hub's cache does (content-addressed blobs, a
 #: snapshot of relative symlinks, refs/main), under HF_HOME/hub on the claim
@@ -131,6 +134,44 @@ def model_cache_on_the_node(stack, ns: str, node: str) -> dict:
     return filled
 
 
+#: what a trainer pod does at start with spec.model.name (transformers from the hub or its
+#: cache), timed without the imports; the hub's bytes are counted by the stand-in hub
+LOAD_MODEL = """
+import json, sys, time
+from transformers import AutoModelForCausalLM, AutoTokenizer
+t0 = time.monotonic()
+AutoTokenizer.from_pretrained(sys.argv[1])
+AutoModelForCausalLM.from_pretrained(sys.argv[1])
+print(json.dumps({"load_seconds": round(time.monotonic() - t0, 3)}))
+"""
+
+
+def load_in_a_pod(stack, ns: str, name: str, hub, volume: dict) -> dict:
+    """One pod start that loads HUB_ID with HF_HOME on `volume`, online against `hub`:
+    its load time and the bytes the hub sent it."""
+    before = hub.bytes_sent
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+           "spec": {"restartPolicy": "Never", "tolerations": [TOLERATION], "nodeSelector": POOL,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 65532},
+                    "containers": [{
+                        "name": "load", "image": E2E_TRAINER_IMAGE,
+                        "imagePullPolicy": "Never",
+                        "command": ["python", "-c", LOAD_MODEL, HUB_ID],
+                        "env": [{"name": "HF_HOME", "value": "/cache"},
+                                {"name": "HF_ENDPOINT", "value": hub.endpoint},
+                                {"name": "HF_HUB_DISABLE_XET", "value": "1"},
+                                {"name": "OMP_NUM_THREADS", "value": "1"}],
+                        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}]}],
+                    "volumes": [{"name": "cache", **volume}]}}
+    stack.apply(pod)
+    wait_for(f"pod {name} Succeeded", lambda: (stack.get("pod", name, ns) or {}).get(
+        "status", {}).get("phase") in ("Succeeded", "Failed"), timeout=300,
+        on_timeout=lambda: stack.describe(ns))
+    log = stack.kubectl("-n", ns, "logs", name)
+    assert stack.get("pod", name, ns)["status"]["phase"] == "Succeeded", log
+    return {**json.loads(log.splitlines()[-1]), "hub_bytes": hub.bytes_sent - before}
+
+
 def _seconds(a: str, b: str) -> float:
     def at(t):
         return datetime.fromisoformat(t).timestamp()
@@ -187,6 +228,7 @@ def test_a_run_placed_on_a_tainted_pool_trains_and_one_without_says_why(e2e_stac
                       on_timeout=lambda: stack.describe(ns)
                       + stack.logs(ns, "app.kubernetes.io/component=trainer"))
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    succeeded_after = round(time.monotonic() - applied, 1)
 
     account = stack.get("serviceaccount", "placed-workload", ns)
     assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == ROLE
@@ -217,11 +259,21 @@ def test_a_run_placed_on_a_tainted_pool_trains_and_one_without_says_why(e2e_stac
     ready = {p["metadata"]["name"]: start_to_ready(p) for p in model_pods}
     loads = [line.strip() for log in vllm_logs.values() for line in log.splitlines()
              if "Loading weights took" in line or "Model loading took" in line]
+    # the same model, online against a stand-in hub: a pod start without a cache (HF_HOME
+    # an emptyDir, as runs without spec.model.cache have) downloads it; one with the cache
+    # only asks the hub for its metadata
+    with HubServer({HUB_ID: model_folder()}, host=HOST_IP) as hub:
+        without = load_in_a_pod(stack, ns, "load-without-cache", hub, {"emptyDir": {}})
+        with_cache = load_in_a_pod(stack, ns, "load-with-cache", hub, {
+            "persistentVolumeClaim": {"claimName": "hf-cache", "readOnly": True}})
+    assert without["hub_bytes"] == filled["model_bytes"], without
+    assert with_cache["hub_bytes"] == 0, with_cache
     measured = json.dumps({
-        **filled, "pod_starts_reading_the_cache": len(model_pods),
+        **filled, "one_pod_start_without_cache": without, "one_pod_start_with_cache": with_cache,
+        "pod_starts_reading_the_cache": len(model_pods),
         "bytes_not_downloaded": filled["model_bytes"] * len(model_pods),
         "start_to_ready_seconds": ready, "vllm_model_load": loads,
-        "apply_to_succeeded_seconds": round(time.monotonic() - applied, 1)})
+        "apply_to_succeeded_seconds": succeeded_after})
     print("model cache:", measured)
     if out := os.environ.get("ASYNCGRPO_BENCH_OUT"):   # docs/benchmarks/model-cache.md
         (Path(out) / "model_cache_e2e.json").write_text(measured)

@@ -8,8 +8,10 @@ PersistentVolume on the node, bound to a claim, filled once by a Job (the first 
 the tiny model out as the hub's cache, models--<org>--<name>/{blobs,snapshots/<rev>,refs/main},
 as `hf download` would), then mounted read-only at HF_HOME of vLLM and the trainer, whose
 spec.model.name is a hub id. The pods run with HF_HUB_OFFLINE=1 on a node with no route out,
-so the cache is the only place the model can come from. What each later pod start did not
-download, and how long those starts took, is printed (docs/benchmarks/model-cache.md).
+so the cache is the only place the model can come from. Then two pod starts load the same
+hub id online from a stand-in hub (tests/e2e/hub.py): without the cache (an emptyDir HF_HOME)
+the hub sends the whole model, with it none. The bytes are asserted; the times and what the
+run's starts did not download are printed (docs/benchmarks/model-cache.md).
 
 The tiny runs are CPU runs (no GPU request, so no automatic GPU toleration): the toleration
 comes from spec.pod, as a platform team's run would carry a pool's taint. The taint is

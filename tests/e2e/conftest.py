@@ -60,6 +60,12 @@ def sh(*argv: str, input: str | None = None, timeout: float = 600, env=None,
     return out.stdout
 
 
+def model_folder() -> Path:
+    """The tiny dense model's files on this machine, as the e2e images carry them at
+    MODEL_PATH (the derived images' build context)."""
+    return _cache() / "e2e" / "tiny-image" / "tiny-qwen3"
+
+
 def _derived_images() -> dict[str, str]:
     """trainer and vLLM images with the tiny demo model at MODEL_PATH and a tiny Qwen3-MoE at
     MOE_MODEL_PATH, built by podman.
@@ -70,6 +76,7 @@ def _derived_images() -> dict[str, str]:
 
     ctx = _cache() / "e2e" / "tiny-image"
     model, _ = prepare_demo(ctx)
+    assert model == model_folder(), model
     moe = ctx / "tiny-qwen3-moe"
     if not (moe / "config.json").is_file():  # kept: the same files keep the same image id
         from asyncgrpo.trainer.tiny_tokenizer import save_tiny_checkpoint

@@ -20,6 +20,9 @@ on the same weights, by every rank's ShardedWeightTransfer and by today's gather
 RSS above the RSS before the call, and the base each process keeps for the next delta. Then
 the arithmetic for Qwen3-30B-A3B on 64 ranks and 64 replicas from the measured delta density.
 
+The puller's download (``--download-world``, 0 to skip): one sharded anchor of that many rank
+files, fetched and verified by the puller's WeightStore with 1..16 files at once.
+
     .venv/bin/python bench/weights_bench.py [--steps 8] [--sharded-steps 4] [--e2e full_ft_e2e.json] [--e2e sharded_e2e_dense.json] [--json out]
 """
 

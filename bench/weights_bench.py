@@ -8,8 +8,10 @@ the trainer's own BucketWeightTransfer to a real S3 server (moto), anchor every 
 so bytes are what the bucket holds. The fraction of bf16 elements that changed is counted
 per step for several learning rates side by side (it falls with the learning rate: an Adam
 step moves a weight by about lr, and bf16 keeps 8 bits of mantissa). Step end -> all replicas
-serving vN comes from the end-to-end test's records (tests/trainer/test_full_ft_vllm.py,
-``--e2e FILE``).
+serving vN comes from the end-to-end tests' records (``--e2e FILE``, repeatable):
+tests/trainer/test_full_ft_vllm.py (one trainer process, format v1) and the node e2e's
+two-trainer-pod runs (tests/e2e/test_runs_on_the_node.py, sharded format v2, dense and MoE;
+``ASYNCGRPO_BENCH_OUT=DIR`` makes them write ``sharded_e2e_<run>.json``).
 
 Sharded vs gathered (``--sharded-steps``, 0 to skip): two real gloo ranks (torchrun) train a
 small Qwen3 (dense: FSDP 2; MoE: FSDP 2 + expert parallel 2) and publish every version twice
@@ -18,7 +20,10 @@ on the same weights, by every rank's ShardedWeightTransfer and by today's gather
 RSS above the RSS before the call, and the base each process keeps for the next delta. Then
 the arithmetic for Qwen3-30B-A3B on 64 ranks and 64 replicas from the measured delta density.
 
-    .venv/bin/python bench/weights_bench.py [--steps 8] [--sharded-steps 4] [--e2e full_ft_e2e.json] [--json out]
+The puller's download (``--download-world``, 0 to skip): one sharded anchor of that many rank
+files, fetched and verified by the puller's WeightStore with 1..16 files at once.
+
+    .venv/bin/python bench/weights_bench.py [--steps 8] [--sharded-steps 4] [--e2e full_ft_e2e.json] [--e2e sharded_e2e_dense.json] [--json out]
 """
 
 from __future__ import annotations
@@ -134,6 +139,88 @@ def print_sharded(kind: str, rows: list[dict]) -> dict:
             "gathered_anchor_bytes": by_v[1][0]["gathered"]["bytes"]}
 
 
+def download_concurrency(s3, workdir: Path, world: int, rank_mb: float, levels: list[int],
+                         repeats: int) -> list[dict]:
+    """One sharded anchor of ``world`` rank files, fetched by the puller's store (verified:
+    size and sha256 of every file) with ``download_concurrency`` at each level; seconds per
+    fetch, median of ``repeats``."""
+    import shutil
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    from asyncgrpo.weights.shards import anchor_name, table_entry
+    from asyncgrpo.weights.store import ANCHOR, WeightStore
+
+    bucket = f"dl-bench-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=bucket)
+    store = WeightStore(bucket, run="dl", endpoint_url=s3.endpoint)
+    cols = 1024
+    rows = max(1, int(rank_mb * 1e6 / 4 / cols))
+    files, table = {}, {"w": {"dtype": "F32", "shape": [rows * world, cols], "pieces": []}}
+    for r in range(world):
+        d = workdir / f"dl-r{r}"
+        d.mkdir(parents=True, exist_ok=True)
+        save_file({"w": torch.randn(rows, cols)}, str(d / anchor_name(r, world)))
+        table["w"]["pieces"] += table_entry("float32", (rows * world, cols), anchor_name(r, world),
+                                            (rows * r, 0), (rows, cols))["pieces"]
+        files.update(store.upload_rank_files(d, 1))
+    store.publish_sharded_manifest(1, kind=ANCHOR, step=1, dtype="float32", files=files,
+                                   shards={"world": world, "ranks": {str(r): [anchor_name(
+                                       r, world)] for r in range(world)}, "tensors": table})
+    total = sum(e.size for e in files.values())
+    out = []
+    print(f"\nPuller download of one sharded anchor: {world} rank files of {rank_mb:g} MB "
+          f"({total / 1e6:.0f} MB), real S3 server (moto) on loopback, verified (sha256)")
+    print(f"{'files at once':>14} {'seconds (median)':>17} {'MB/s':>8} {'runs':>20}")
+    for level in levels:
+        store.download_concurrency = level
+        secs = []
+        for i in range(repeats):
+            dest = workdir / f"dl-got-{level}-{i}"
+            t0 = time.perf_counter()
+            store.fetch(1, dest)
+            secs.append(time.perf_counter() - t0)
+            shutil.rmtree(dest)
+        med = statistics.median(secs)
+        out.append({"concurrency": level, "seconds": secs, "median_s": med, "bytes": total})
+        print(f"{level:>14} {med:>17.3f} {total / med / 1e6:>8.0f} "
+              f"{' '.join(f'{s:.2f}' for s in secs):>20}")
+    return out
+
+
+def print_e2e(e2e: dict) -> list[dict]:
+    """Publish done -> every replica serving vN, per version that every replica swapped in,
+    from an end-to-end test's record: ``published`` (version, kind, published_at, bytes) and
+    ``served`` (each replica's swaps: version, swapped_at, swap_s)."""
+    pubs = {p["version"]: p for p in e2e["published"]}
+    where = e2e.get("where", "tests/trainer/test_full_ft_vllm.py, one process")
+    fmt = {p.get("format", "asyncgrpo.weights/v1") for p in pubs.values()}
+    print(f"\nEnd to end ({e2e.get('run', 'full_ft')}: {where}; {', '.join(sorted(fmt))}): "
+          f"publish done -> all {len(e2e['served'])} replicas serving vN")
+    print(f"{'v':>3} {'kind':>6} {'bytes':>11} {'per rank':>24} {'-> all serving s':>17} "
+          f"{'swap s (per replica)':>22}")
+    rows = []
+    for v, p in sorted(pubs.items()):
+        swaps = [next((h for h in hist if h["version"] == v), None) for hist in e2e["served"]]
+        if not all(swaps):
+            continue  # a replica passed over it (a newer version was there when it looked)
+        lag = max(h["swapped_at"] for h in swaps) - p["published_at"]
+        ranks = p.get("rank_bytes") or {}
+        row = {"version": v, "kind": p["kind"], "bytes": p.get("bytes"), "rank_bytes": ranks,
+               "to_all_serving_s": lag, "swap_s": [h.get("swap_s") for h in swaps]}
+        rows.append(row)
+        per_rank = " + ".join(f"{ranks[r]:,}" for r in sorted(ranks, key=int)) or "-"
+        nbytes = f"{p['bytes']:,}" if p.get("bytes") is not None else "-"
+        swap = " / ".join(f"{h['swap_s']:.2f}" for h in swaps if h.get("swap_s") is not None)
+        print(f"{v:>3} {p['kind']:>6} {nbytes:>11} {per_rank:>24} {lag:>17.2f} {swap:>22}")
+    skipped = sorted(set(pubs) - {r["version"] for r in rows})
+    if skipped:
+        print(f"    not served by every replica (passed over for a newer one): {skipped}")
+    return rows
+
+
 def arithmetic_64(density: float) -> list[dict]:
     """Qwen3-30B-A3B, 64 trainer ranks (8 per node), 64 replicas, 100 Gb/s per node."""
     link = NODE_GBPS * 1e9 / 8  # bytes/s
@@ -169,11 +256,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--anchor-every", type=int, default=10)
     ap.add_argument("--lrs", default="1e-6,1e-5,1e-4")
-    ap.add_argument("--e2e", type=Path, default=None)
+    ap.add_argument("--e2e", type=Path, action="append", default=None,
+                    help="an end-to-end record (repeatable): tests/trainer/test_full_ft_vllm.py's "
+                    "full_ft_e2e.json, or the node e2e's sharded_e2e_<run>.json")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sharded-steps", type=int, default=4)
     ap.add_argument("--sharded-lr", type=float, default=1e-6)
     ap.add_argument("--sharded-kinds", default="dense,moe")
+    ap.add_argument("--download-world", type=int, default=16,
+                    help="rank files of the download bench's version (0 to skip)")
+    ap.add_argument("--download-rank-mb", type=float, default=8.0)
+    ap.add_argument("--download-levels", default="1,2,4,8,16")
+    ap.add_argument("--download-repeats", type=int, default=3)
     args = ap.parse_args()
 
     import os
@@ -185,13 +279,17 @@ def main() -> None:
         s3 = S3Server.start(Path(tmp) / "moto.log")
         os.environ.update(s3.env())
         try:
-            for lr in (float(x) for x in args.lrs.split(",")):
+            for lr in (float(x) for x in args.lrs.split(",") if x):
                 result["runs"][str(lr)] = train_and_publish(lr, args.steps, args.anchor_every,
                                                             s3, Path(tmp))
             if args.sharded_steps:
                 for kind in args.sharded_kinds.split(","):
                     result.setdefault("sharded", {})[kind] = sharded_vs_gathered(
                         kind, args.sharded_steps, args.sharded_lr, s3, Path(tmp))
+            if args.download_world:
+                result["download_concurrency"] = download_concurrency(
+                    s3, Path(tmp), args.download_world, args.download_rank_mb,
+                    [int(x) for x in args.download_levels.split(",")], args.download_repeats)
         finally:
             s3.stop()
 
@@ -213,22 +311,9 @@ def main() -> None:
               f"{statistics.median(fr):>14.2%} ({min(fr):.2%}-{max(fr):.2%})")
     result["fraction_changed_median"] = fractions
 
-    if args.e2e and args.e2e.exists():
-        e2e = json.loads(args.e2e.read_text())
-        at = {p["version"]: p["published_at"] for p in e2e["published"]}
-        lags = []
-        for v, t in at.items():
-            swaps = [next((h["swapped_at"] for h in hist if h["version"] == v), None)
-                     for hist in e2e["served"]]
-            if all(s is not None for s in swaps):
-                lags.append((v, max(swaps) - t))
-        result["step_end_to_all_serving_s"] = lags
-        print("\nEnd to end (tests/trainer/test_full_ft_vllm.py): publish done -> both replicas "
-              "serving vN, seconds")
-        for v, lag in lags:
-            kind = next(p["kind"] for p in e2e["published"] if p["version"] == v)
-            print(f"  v{v} ({kind}): {lag:.2f}")
-
+    for path in args.e2e or []:
+        if path.exists():
+            result.setdefault("e2e", {})[path.name] = print_e2e(json.loads(path.read_text()))
     print(f"\nArithmetic for Qwen3-Coder-30B-A3B ({BIG_PARAMS / 1e9:.1f}B parameters, bf16); "
           "delta = fraction x params x 6 bytes (int32 index + bf16 value); one upload, one "
           "download per replica (in parallel), link-bound")

@@ -142,7 +142,9 @@ def client(endpoint: str | None, region: str | None, *, connect_timeout_s: float
                                       "aws_secret_access_key": keys[1]}
     return boto3.session.Session(region_name=region or None, **signed).client(
         "s3", endpoint_url=endpoint or None, region_name=region or None,
+        # a pool for concurrent GETs (a version's rank files) and boto3's multipart threads
         config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
+                      max_pool_connections=32,
                       connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
                       s3={"addressing_style": "path"}),
     )

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -328,18 +329,65 @@ def puller_histories(stack, ns: str) -> dict[str, list[dict]]:
     return out
 
 
-def test_flagship_moe_full_fine_tuning_expert_parallel_two_trainer_pods_two_replicas(e2e_stack):
-    """The reference workload's shape, tiny: a Qwen3-MoE trained in full by two trainer pods
-    (world 2, FSDP 2, expert parallel 2, gloo), two vLLM replicas swapping each version in
-    from the bucket. Every replica's served log-probs must equal the trainer's probe of the
-    same version (1e-4) at several versions, and the run trains to Succeeded."""
-    stack, ns = e2e_stack, "team-flagship"
+def trainer_published(stack, ns: str, run: str) -> list[dict]:
+    """Rank 0's publish records (its status.json in the trainer's work dir); [] when the pod
+    is not there to ask."""
+    from asyncgrpo.wire import TRAINER_WORK_DIR
+
+    out = stack.kubectl("-n", ns, "exec", f"{run}-trainer-0", "-c", "trainer", "--", "python3",
+                        "-c", f"import sys;sys.stdout.write(open('{TRAINER_WORK_DIR}"
+                        "/status.json').read())", check=False)
+    try:
+        return json.loads(out).get("published", [])
+    except ValueError:
+        return []
+
+
+def manifest_times(stack, bucket: str) -> dict[int, dict]:
+    """Each complete weights version's manifest: its kind, bytes and format, and when the
+    bucket took it (the manifest is written last, so its LastModified is "publish done";
+    the S3 server stamps it in milliseconds, on the same host clock the pods read)."""
+    s3 = stack.s3.client()
+    out = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", []):
+            parts = o["Key"].split("/")
+            if "weights" in parts and parts[-1] == "manifest.json":
+                doc = json.loads(s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read())
+                out[int(doc["version"])] = {
+                    "version": int(doc["version"]), "kind": doc["kind"],
+                    "format": doc["format"], "published_at": o["LastModified"].timestamp(),
+                    "bytes": sum(f["size"] for f in doc["files"].values()),
+                    "rank_bytes": {r: sum(doc["files"][f]["size"] for f in fs) for r, fs in
+                                   (doc.get("shards") or {}).get("ranks", {}).items()}}
+    return out
+
+
+# The reference workload's shape, and its dense sibling, through the same sharded path.
+TWO_POD_FULL_RUNS = [
+    pytest.param("flagship", {"name": MOE_MODEL_PATH, "moe": True}, {"expertParallelSize": 2},
+                 id="moe-expert-parallel"),
+    pytest.param("dense", {}, {}, id="dense"),
+]
+
+
+@pytest.mark.parametrize(("name", "model_fields", "trainer_fields"), TWO_POD_FULL_RUNS)
+def test_full_fine_tuning_two_trainer_pods_sharded_to_two_replicas(e2e_stack, name,
+                                                                   model_fields, trainer_fields):
+    """Full fine-tuning by two trainer pods (world 2, FSDP 2, gloo), each publishing its own
+    shard of every version (asyncgrpo.weights/v2), two vLLM replicas swapping each version in
+    from the bucket. moe-expert-parallel is the reference workload's shape, tiny: a
+    Qwen3-MoE with expert parallel 2; dense is the tiny dense Qwen3 on the same path. Every
+    replica's served log-probs must equal the trainer's probe of the same version (1e-4) at
+    several versions, status.servedWeights shows both replicas, and the run trains to
+    Succeeded."""
+    stack, ns = e2e_stack, f"team-{name}"
     stack.namespace(ns)
-    run = tiny_run("flagship", ns, stack.s3.endpoint, steps=8, replicas=2,
-                   extra_trainer={"expertParallelSize": 2, "checkpointInterval": 100})
+    run = tiny_run(name, ns, stack.s3.endpoint, steps=8, replicas=2,
+                   extra_trainer={"checkpointInterval": 100, **trainer_fields})
     model = run["spec"]["model"]
     del model["lora"]
-    model |= {"name": MOE_MODEL_PATH, "moe": True, "finetuning": "full",
+    model |= {**model_fields, "finetuning": "full",
               "full": {"anchorInterval": 2, "localDisk": "1Gi"}}
     run["spec"]["adapterStore"]["retention"] = 100
     rollout = run["spec"]["rollout"]
@@ -349,22 +397,25 @@ def test_flagship_moe_full_fine_tuning_expert_parallel_two_trainer_pods_two_repl
     stack.apply(prompts_configmap(ns), run)
 
     swaps: dict[str, dict[int, dict]] = {}   # pod -> version -> the puller's record
+    trainer: dict[int, dict] = {}            # version -> rank 0's publish record
 
     def finished():
         for pod, history in puller_histories(stack, ns).items():
             swaps.setdefault(pod, {}).update({h["version"]: h for h in history})
-        s = status_of(stack, "flagship", ns)
+        s = status_of(stack, name, ns)
         if s.get("servedWeights"):
             served.append(s["servedWeights"])
+        if s.get("phase") == "Running":  # the trainer's own clock: when each publish was done
+            trainer.update({p["version"]: p for p in trainer_published(stack, ns, name)})
         return s if s.get("phase") in ("Succeeded", "Failed") else None
 
     served: list[dict] = []                  # status.servedWeights over the run
-    status = wait_for("the flagship run finished", finished, timeout=1200, interval=2,
+    status = wait_for(f"the {name} run finished", finished, timeout=1200, interval=2,
                       on_timeout=lambda: stack.describe(ns)
                       + stack.logs(ns, "app.kubernetes.io/component=trainer"))
     diffs = {pod: {v: h.get("probe_max_diff") for v, h in sorted(by.items())}
              for pod, by in swaps.items()}
-    print(f"\nE2E flagship: status {json.dumps({k: status.get(k) for k in ('phase', 'step')})}"
+    print(f"\nE2E {name}: status {json.dumps({k: status.get(k) for k in ('phase', 'step')})}"
           f", probe max diff per replica and version {diffs}")
     assert status["phase"] == "Succeeded" and status["step"] == 8, json.dumps(status, indent=1)
     assert len(swaps) == 2, swaps
@@ -375,8 +426,25 @@ def test_flagship_moe_full_fine_tuning_expert_parallel_two_trainer_pods_two_repl
         assert len(probed) >= 2, (pod, by_version)  # several versions checked on each replica
         worst = max(h["probe_max_diff"] for h in probed.values())
         assert worst <= 1e-4, (pod, {v: h["probe_max_diff"] for v, h in probed.items()})
-    versions = published_versions(stack, "e2e-flagship", "weights")
+    versions = published_versions(stack, f"e2e-{name}", "weights")
     assert versions == list(range(1, len(versions) + 1)), versions
+    published = manifest_times(stack, f"e2e-{name}")
+    # every version went out sharded: one object per trainer rank, both ranks uploading
+    assert {p["format"] for p in published.values()} == {"asyncgrpo.weights/v2"}, published
+    anchors = [p for p in published.values() if p["kind"] == "anchor"]
+    assert anchors and all(set(p["rank_bytes"]) == {"0", "1"} for p in anchors), anchors
+    # publish done -> both replicas serving it, for bench/weights_bench.py (--e2e FILE): the
+    # trainer's record where it was read (its clock, to the microsecond), else the manifest's
+    # LastModified (to the second)
+    for v, p in published.items():
+        if v in trainer:
+            p |= {"published_at": trainer[v]["published_at"], "clock": "trainer",
+                  "publish_s_rank0": trainer[v].get("publish_s")}
+    report = {"run": name, "where": "test node, operator's pods", "published": [
+        published[v] for v in sorted(published)],
+        "served": [sorted(by.values(), key=lambda h: h["version"]) for by in swaps.values()]}
+    if out := os.environ.get("ASYNCGRPO_BENCH_OUT"):
+        (Path(out) / f"sharded_e2e_{name}.json").write_text(json.dumps(report, indent=1))
 
 
 def test_a_failing_sandbox_pool_fires_its_alert(e2e_stack):

@@ -269,3 +269,75 @@ def test_no_manifest_until_every_listed_shard_is_in_the_bucket(store, tmp_path):
     p = _puller(store, tmp_path, "pod")
     p._catch_up(1)
     assert torch.equal(load_file(p.current / "model.safetensors")["w"], t)
+
+
+def _publish_world(store, tmp_path, world: int, t):
+    """``t`` published as a sharded anchor (v1) by ``world`` ranks, rows split evenly."""
+    from safetensors.torch import save_file
+
+    from asyncgrpo.weights.shards import anchor_name, table_entry
+
+    rows = t.shape[0] // world
+    files, tensors = {}, {"w": {"dtype": "F32", "shape": list(t.shape), "pieces": []}}
+    for r in range(world):
+        d = tmp_path / f"w{world}-r{r}"
+        d.mkdir()
+        save_file({"w": t[rows * r:rows * (r + 1)].contiguous()}, str(d / anchor_name(r, world)))
+        e = table_entry("float32", tuple(t.shape), anchor_name(r, world), (rows * r, 0),
+                        (rows, t.shape[1]))
+        tensors["w"]["pieces"] += e["pieces"]
+        files.update(store.upload_rank_files(d, 1))
+    shards = {"world": world, "ranks": {str(r): [anchor_name(r, world)] for r in range(world)},
+              "tensors": tensors}
+    store.publish_sharded_manifest(1, kind=ANCHOR, step=1, dtype="float32", files=files,
+                                   shards=shards)
+
+
+def test_the_puller_downloads_the_rank_files_of_a_version_concurrently(store, tmp_path):
+    """Every rank file of a version in flight at once (up to download_concurrency): each GET
+    waits at a barrier for all the others, so files fetched one after another never pass it
+    (the barrier's timeout only bounds how long a broken puller holds the test)."""
+    import threading
+
+    world = 4
+    t = torch.arange(world * 6, dtype=torch.float32).reshape(world * 3, 2)
+    _publish_world(store, tmp_path, world, t)
+    barrier = threading.Barrier(world, timeout=60)
+    get = store.objects.get_or_none
+    in_flight, most = [0], [0]
+    lock = threading.Lock()
+
+    def get_at_barrier(key):
+        if not key.endswith(".safetensors"):
+            return get(key)
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        barrier.wait()  # BrokenBarrierError when the files come one at a time
+        try:
+            return get(key)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    store.objects.get_or_none = get_at_barrier
+    p = _puller(store, tmp_path, "pod")
+    p._catch_up(1)
+    assert p.local_version == 1 and most[0] == world
+    assert torch.equal(load_file(p.current / "model.safetensors")["w"], t)
+
+
+def test_a_corrupt_rank_file_among_concurrent_downloads_refuses_the_version(store, tmp_path):
+    """One bad file of several fetched at once: the version is refused as a whole and leaves
+    nothing behind, as when the files came one by one."""
+    from asyncgrpo.weights.shards import anchor_name
+
+    world = 4
+    t = torch.arange(world * 6, dtype=torch.float32).reshape(world * 3, 2)
+    _publish_world(store, tmp_path, world, t)
+    store.client.put_object(Bucket=store.bucket, Key=store.version_prefix(1)
+                            + anchor_name(2, world), Body=b"corrupted")
+    with pytest.raises(WeightsCorrupt, match="shard-00002"):
+        store.fetch(1, tmp_path / "got")
+    assert not (tmp_path / "got").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".got")] == []

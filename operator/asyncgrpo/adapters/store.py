@@ -475,27 +475,32 @@ class AdapterStore:
                            vprefix: str | None = None) -> None:
         vprefix = self.version_prefix(version) if vprefix is None else vprefix
         for rel, entry in manifest.files.items():
-            key = vprefix + rel
-            target = into / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if entry.size <= SINGLE_REQUEST_BYTES:
-                body = self.objects.get_or_none(key)
-                if body is not None:
-                    target.write_bytes(body)
-                found = body is not None
-            else:
-                found = self.objects.download(key, target)
-            if not found:
-                raise AdapterCorrupt(f"{self.name(version)}: {self.url(key)} is listed in the "
-                                     f"manifest but missing")
-            size = target.stat().st_size
-            if size != entry.size:
-                raise AdapterCorrupt(f"{self.name(version)}: {self.url(key)} has {size} bytes, "
-                                     f"manifest says {entry.size}")
-            sha = sha256_file(target)
-            if sha != entry.sha256:
-                raise AdapterCorrupt(f"{self.name(version)}: {self.url(key)} sha256 {sha[:12]}... "
-                                     f"does not match manifest {entry.sha256[:12]}...")
+            self._download_file(version, vprefix, rel, entry, into)
+
+    def _download_file(self, version: int, vprefix: str, rel: str, entry: FileEntry,
+                       into: Path) -> None:
+        """One file of a version into ``into / rel``, checked against its manifest entry."""
+        key = vprefix + rel
+        target = into / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if entry.size <= SINGLE_REQUEST_BYTES:
+            body = self.objects.get_or_none(key)
+            if body is not None:
+                target.write_bytes(body)
+            found = body is not None
+        else:
+            found = self.objects.download(key, target)
+        if not found:
+            raise AdapterCorrupt(f"{self.name(version)}: {self.url(key)} is listed in the "
+                                 f"manifest but missing")
+        size = target.stat().st_size
+        if size != entry.size:
+            raise AdapterCorrupt(f"{self.name(version)}: {self.url(key)} has {size} bytes, "
+                                 f"manifest says {entry.size}")
+        sha = sha256_file(target)
+        if sha != entry.sha256:
+            raise AdapterCorrupt(f"{self.name(version)}: {self.url(key)} sha256 {sha[:12]}... "
+                                 f"does not match manifest {entry.sha256[:12]}...")
 
     # -- the run's final result ------------------------------------------------------------
 

@@ -29,6 +29,10 @@ def register(subparsers) -> None:
     # /ready and /status: the vLLM pod's readiness probe asks it
     pull.add_argument("--port", type=int, default=int(env(wire.WEIGHTS_PORT_ENV, wire.PULLER_PORT)))
     pull.add_argument("--poll-seconds", type=float, default=float(env(wire.WEIGHTS_POLL_ENV, "2")))
+    pull.add_argument("--download-concurrency", type=int,
+                      default=int(env(wire.WEIGHTS_DOWNLOAD_CONCURRENCY_ENV, "0")) or None,
+                      help="files of one version fetched at once (a sharded version's rank "
+                      "files), default 8")
     pull.set_defaults(func=_pull)
 
 
@@ -38,7 +42,9 @@ def _pull(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=os.environ.get(wire.LOG_LEVEL_ENV, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    puller = Puller(WeightStore.from_env(), VLLMControl(args.vllm_url), args.work_dir,
+    store = WeightStore.from_env(**({"download_concurrency": args.download_concurrency}
+                                    if args.download_concurrency else {}))
+    puller = Puller(store, VLLMControl(args.vllm_url), args.work_dir,
                     poll_s=args.poll_seconds)
     server = puller.serve_status(args.host, args.port)
     signal.signal(signal.SIGTERM, lambda *_: puller.stop())

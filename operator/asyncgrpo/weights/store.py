@@ -56,6 +56,9 @@ FORMATS = (WEIGHTS_FORMAT, WEIGHTS_FORMAT_SHARDED)
 ANCHOR, DELTA = "anchor", "delta"
 #: Default ``spec.model.full.anchorInterval``: a full version every K versions.
 DEFAULT_ANCHOR_INTERVAL = 10
+#: Files of one version a reader downloads at once (a sharded version is one file per trainer
+#: rank: fetched one after another, a replica's link would wait on one S3 stream at a time).
+DEFAULT_DOWNLOAD_CONCURRENCY = 8
 
 # The adapter store's error types, under the names readers of this module expect.
 WeightsCorrupt = AdapterCorrupt
@@ -170,8 +173,38 @@ class WeightStore(AdapterStore):
 
     FOLDER = "weights"
 
+    def __init__(self, *args, download_concurrency: int = DEFAULT_DOWNLOAD_CONCURRENCY,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        #: files of one version fetched at once (each checked as it lands, as one by one)
+        self.download_concurrency = max(1, int(download_concurrency))
+
     def name(self, version: int) -> str:
         return f"weights v{int(version)}"
+
+    def _download_verified(self, version: int, manifest, into: Path,  # type: ignore[override]
+                           vprefix: str | None = None) -> None:
+        """Every file of the version, ``download_concurrency`` at a time (the rank files of a
+        sharded version in parallel); the first failure is raised once the others stopped."""
+        vprefix = self.version_prefix(version) if vprefix is None else vprefix
+        items = sorted(manifest.files.items())
+        workers = min(self.download_concurrency, len(items))
+        if workers <= 1:
+            for rel, entry in items:
+                self._download_file(version, vprefix, rel, entry, into)
+            return
+        from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="weights-get") as pool:
+            futures = [pool.submit(self._download_file, version, vprefix, rel, entry, into)
+                       for rel, entry in items]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:
+                for f in futures:
+                    f.cancel()  # files not started yet are not fetched at all
+                wait(futures)
+                raise failed[0].exception()
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -256,11 +256,14 @@ def pod_events(events: list[dict], ns: str, prefix: str, t0: float, t1: float,
     return sorted(out)
 
 
-def one_lifecycle(kube: Kube, cluster, s3, lifecycle: str, args) -> dict:
+def one_lifecycle(kube: Kube, cluster, s3, config: str, args) -> dict:
+    """`config`: a lifecycle, optionally `:<minWarm>` (e.g. FreshPerGroup:12)."""
     from asyncgrpo.sandbox.client import GatewayClient
 
+    lifecycle, _, warm = config.partition(":")
+    args = argparse.Namespace(**{**vars(args), "min_warm": int(warm) if warm else args.min_warm})
     name = "pool"
-    ns = f"bench-{lifecycle.lower()}"
+    ns = f"bench-{lifecycle.lower()}" + (f"-w{warm}" if warm else "")
     log(f"{lifecycle}: namespace {ns}")
     kube("create", "namespace", ns)
     kube("-n", ns, "create", "secret", "generic", "s3",
@@ -361,7 +364,7 @@ def one_lifecycle(kube: Kube, cluster, s3, lifecycle: str, args) -> dict:
     n = max(1, len(ok))
     warm_series = [poller.warm(d) for _, d in samples]
     return {
-        "lifecycle": lifecycle, "leases": len(recs), "ok": len(ok), "errors": errors[:10],
+        "config": config, "lifecycle": lifecycle, "leases": len(recs), "ok": len(ok), "errors": errors[:10],
         "rate_per_s": args.rate, "hold_s": args.hold, "min_warm": args.min_warm,
         "acquire_ms": {"p50": pct(acq, 50), "p99": pct(acq, 99), "max": max(acq, default=None),
                        "mean": statistics.fmean(acq) if acq else None},
@@ -451,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=5.0)
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--refill-timeout", type=float, default=180)
-    p.add_argument("--lifecycles", default=",".join(LIFECYCLES))
+    p.add_argument("--lifecycles", default=",".join(LIFECYCLES),
+                   help="comma-separated, each optionally :<minWarm> (FreshPerGroup:12)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="write all results here")
     args = p.parse_args(argv)

@@ -424,21 +424,21 @@ def table(res: dict[str, dict]) -> str:
     ]
     names = list(res)
     w0 = max(len(r[0]) for r in rows)
-    out = [f"{'':{w0}}  " + "  ".join(f"{n:>14}" for n in names)
-           + f"  {'agent-sandbox':>14}"]
+    out = [f"{'':{w0}}  " + "  ".join(f"{n:>17}" for n in names)
+           + f"  {'agent-sandbox':>17}"]
     for label, f in rows:
         extra = {"acquire p50 ms": str(AGENT_SANDBOX_MS["p50"]),
                  "acquire p99 ms": str(AGENT_SANDBOX_MS["p99"])}.get(label, "")
-        out.append(f"{label:{w0}}  " + "  ".join(f"{f(res[n]):>14}" for n in names)
-                   + f"  {extra:>14}")
+        out.append(f"{label:{w0}}  " + "  ".join(f"{f(res[n]):>17}" for n in names)
+                   + f"  {extra:>17}")
     out.append("")
     out.append("API writes in the run's namespace during the drive, by user / verb / resource:")
     keys = sorted({k for r in res.values() for k in r["api_writes_by_user_verb_resource"]})
     wk = max([len(k) for k in keys] + [10])
-    out.append(f"{'':{wk}}  " + "  ".join(f"{n:>14}" for n in names))
+    out.append(f"{'':{wk}}  " + "  ".join(f"{n:>17}" for n in names))
     for k in keys:
         out.append(f"{k:{wk}}  " + "  ".join(
-            f"{res[n]['api_writes_by_user_verb_resource'].get(k, 0):>14}" for n in names))
+            f"{res[n]['api_writes_by_user_verb_resource'].get(k, 0):>17}" for n in names))
     return "\n".join(out)
 
 

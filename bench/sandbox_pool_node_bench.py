@@ -240,10 +240,12 @@ def audit_summary(events: list[dict], ns: str, t0: float, t1: float) -> dict:
 
 def pod_events(events: list[dict], ns: str, prefix: str, t0: float, t1: float,
                verb: str) -> list[tuple[float, str]]:
+    """(time, pod) of the operator's `verb` on the run's sandbox pods (not the kubelet's final
+    delete of a terminated pod)."""
     out = []
     for e in events:
         ref = e.get("objectRef") or {}
-        if (e.get("stage") == "ResponseComplete" and e["verb"] == verb
+        if (e.get("stage") == "ResponseComplete" and e["verb"] == verb and who(e) == "operator"
                 and ref.get("namespace") == ns and ref.get("resource") == "pods"
                 and not ref.get("subresource")
                 and (e.get("responseStatus") or {}).get("code", 0) < 300):
@@ -338,14 +340,11 @@ def one_lifecycle(kube: Kube, cluster, s3, config: str, args) -> dict:
     # pods that turned warm during the drive: a name seen warm after a sample it was not
     prev: dict[str, str] = {}
     turned_warm: list[tuple[float, str]] = []
-    retired_at: dict[str, float] = {}
     for t, d in samples:
         members = d.get("members") or {}
         for m, state in members.items():
             if state == "warm" and prev.get(m) != "warm":
                 turned_warm.append((t, m))
-            if state == "retired" and prev.get(m) != "retired":
-                retired_at[m] = t
         prev = members
     prefix = f"{name}-sandbox-"
     creates = pod_events(events, ns, prefix, t0, t1, "create")
@@ -355,8 +354,16 @@ def one_lifecycle(kube: Kube, cluster, s3, config: str, args) -> dict:
         w = next((t for t, m in turned_warm if m == pod and t >= tc), None)
         if w is not None:
             create_to_warm.append(w - tc)
-    retire_to_delete = [td - retired_at[pod] for td, pod in deletes
-                        if pod in retired_at and td >= retired_at[pod]]
+    # a pod retires when its lease is released (names are reused: the latest release before)
+    released: dict[str, list[float]] = collections.defaultdict(list)
+    for r in recs:
+        if r.get("sandbox") and r.get("released_wall"):
+            released[r["sandbox"]].append(r["released_wall"])
+    retire_to_delete = []
+    for td, pod in deletes:
+        before = [t for t in released.get(pod, ()) if t <= td]
+        if before:
+            retire_to_delete.append(td - max(before))
     drive_end = t_last_release
     warm_in_drive = [w for w in turned_warm if t0 <= w[0] <= drive_end]
     writes = audit_summary(events, ns, t0, t1)

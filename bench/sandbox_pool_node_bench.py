@@ -119,7 +119,7 @@ def wait_for(what: str, fn, timeout: float, interval: float = 1.0):
 
 
 def bench_run(name: str, ns: str, s3_endpoint: str, lifecycle: str, min_warm: int,
-              max_pods: int) -> dict:
+              max_pods: int, hard_cap: int | None = None) -> dict:
     """The smallest run with a sandbox pool: vLLM is held Pending (a scheduler nobody runs),
     so the trainer never starts; the gateway and the sandbox pods are the operator's."""
     return {"apiVersion": "asyncgrpo.dev/v1alpha1", "kind": "AsyncGRPORun",
@@ -133,7 +133,7 @@ def bench_run(name: str, ns: str, s3_endpoint: str, lifecycle: str, min_warm: in
                             "pod": {"schedulerName": "asyncgrpo-bench-no-scheduler"}},
                 "harness": {"type": "multi-turn", "maxTurns": 2, "tools": ["shell"]},
                 "sandboxes": {"image": SANDBOX_IMAGE, "minWarm": min_warm, "max": max_pods,
-                              "hardCap": max_pods, "lifecycle": lifecycle,
+                              "hardCap": hard_cap or max_pods, "lifecycle": lifecycle,
                               "execTimeoutSeconds": 30,
                               # small requests: the node has 2 CPUs for everything
                               "resources": {"requests": {"cpu": "10m", "memory": "64Mi"},
@@ -275,7 +275,8 @@ def one_lifecycle(kube: Kube, cluster, s3, config: str, args) -> dict:
     kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
                 "metadata": {"name": "prompts", "namespace": ns},
                 "data": {"prompts.jsonl": '{"prompt": "Say something."}\n'}},
-               bench_run(name, ns, s3.endpoint, lifecycle, args.min_warm, args.max_pods))
+               bench_run(name, ns, s3.endpoint, lifecycle, args.min_warm, args.max_pods,
+                         args.hard_cap))
 
     def gateway_ip():
         pods = kube.get_json("-n", ns, "get", "pods", "-l", "app.kubernetes.io/component=gateway")
@@ -373,6 +374,7 @@ def one_lifecycle(kube: Kube, cluster, s3, config: str, args) -> dict:
     return {
         "config": config, "lifecycle": lifecycle, "leases": len(recs), "ok": len(ok), "errors": errors[:10],
         "rate_per_s": args.rate, "hold_s": args.hold, "min_warm": args.min_warm,
+        "max_pods": args.max_pods, "hard_cap": args.hard_cap or args.max_pods,
         "acquire_ms": {"p50": pct(acq, 50), "p99": pct(acq, 99), "max": max(acq, default=None),
                        "mean": statistics.fmean(acq) if acq else None},
         "acquire_over_1s": sum(1 for a in acq if a > 1000),
@@ -456,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold", type=float, default=1.0, help="seconds a lease is held")
     p.add_argument("--min-warm", type=int, default=4)
     p.add_argument("--max-pods", type=int, default=16)
+    p.add_argument("--hard-cap", type=int, default=None,
+                   help="spec.sandboxes.hardCap (default: --max-pods); pods being deleted count "
+                   "against it, so a cap at max delays replacements by a resync")
     p.add_argument("--resync", type=float, default=10.0,
                    help="the operator's resync (the chart's default: 10)")
     p.add_argument("--settle", type=float, default=5.0)

@@ -9,7 +9,7 @@ from asyncgrpo.sandbox.metrics import GatewayMetrics
 from asyncgrpo.sandbox.pool import FRESH, REUSE, Pool
 
 
-def _pool(lifecycle: str, retired: list[str]) -> Pool:
+def _pool(lifecycle: str, retired: list[str], clock=None) -> Pool:
     async def reset(m):
         m.next_secret = secrets.token_urlsafe(24)
         return True
@@ -17,8 +17,9 @@ def _pool(lifecycle: str, retired: list[str]) -> Pool:
     async def retire(m):
         retired.append(m.name)
 
+    extra = {"clock": clock} if clock is not None else {}
     return Pool(reset_fn=reset, retire_fn=retire, metrics=GatewayMetrics(), lease_ttl_seconds=60,
-                lease_max_seconds=3600, lifecycle=lifecycle)
+                lease_max_seconds=3600, lifecycle=lifecycle, **extra)
 
 
 async def _settle():
@@ -52,6 +53,32 @@ def test_fresh_a_sandbox_serves_one_group_then_is_retired_never_reused():
         assert pool.members["b"].state == "retired"
         pool.remove("a")  # the operator deleted the pod
         assert "a" not in pool.demand()["members"]
+
+    asyncio.run(scenario())
+
+
+def test_consumption_reads_the_rate_a_run_that_just_started_consumes_at():
+    """0.5 leases/s for 10 s retires 5 sandboxes: the operator must refill at 0.5/s, not at
+    5/60 (the fixed 60 s window read a fraction of the rate until a minute had passed, and
+    the warm pool ran dry on the node: docs/benchmarks/sandbox-pool.md)."""
+    async def scenario():
+        now = [1000.0]
+        pool = _pool(FRESH, [], clock=lambda: now[0])
+        assert pool.consumption_per_second() == 0.0
+        for i in range(5):
+            pool.upsert(f"m{i}", f"http://m{i}")
+            pool.health_ok(f"m{i}")
+        await _settle()
+        for i in range(5):
+            lease, _ = pool.try_acquire(f"g{i}", key="k" * 16)
+            now[0] += 2.0
+            pool.release(lease.id)
+        await _settle()
+        assert 0.45 <= pool.consumption_per_second() <= 0.55
+        now[0] += 30.0  # no more leases: the rate falls as the window empties
+        assert pool.consumption_per_second() < 0.2
+        now[0] += 60.0
+        assert pool.consumption_per_second() == 0.0
 
     asyncio.run(scenario())
 

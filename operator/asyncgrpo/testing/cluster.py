@@ -10,6 +10,12 @@ optionally kube-controller-manager) when set, else from the cache that
 
     python -m asyncgrpo.testing.cluster up --dir /tmp/kube   # prints KUBECONFIG=...
     python -m asyncgrpo.testing.cluster down --dir /tmp/kube
+
+`audit=True` (off by default) makes the API server write an audit log of every write request
+(`create`, `update`, `patch`, `delete`, `deletecollection`; level Metadata: who, verb,
+resource, namespace, name, response code; no bodies) to `<workdir>/audit.log`, one JSON event
+a line; `read_audit()` parses it. Benchmarks count API writes with it
+(bench/sandbox_pool_node_bench.py).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from asyncgrpo import wire
 from asyncgrpo.testing.net import free_port
 
 ADMIN_TOKEN = "asyncgrpo-test-admin-token"
+#: the verbs `audit=True` records (writes only: reads would dwarf them and cost the server)
+AUDITED_VERBS = ("create", "update", "patch", "delete", "deletecollection")
 SERVICE_CIDR = "10.96.0.0/16"
 
 
@@ -83,6 +91,12 @@ class TestCluster:
     bind_address: str = "127.0.0.1"
     service_cidr: str = SERVICE_CIDR
     for_node: bool = False
+    #: write an audit log of write requests to `audit_log` (off by default: it costs disk)
+    audit: bool = False
+
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "audit.log"
 
     @property
     def server(self) -> str:
@@ -139,6 +153,7 @@ class TestCluster:
             "--kubelet-preferred-address-types", "InternalIP",
             "--kubelet-client-certificate", str(pki / "kubelet-client.crt"),
             "--kubelet-client-key", str(pki / "kubelet-client.key"),
+            *self._audit_args(),
         ])
         self._write_kubeconfig()
         self._wait_ready(timeout)
@@ -154,6 +169,31 @@ class TestCluster:
             ])
         if self.for_node and "kube-scheduler" in bins:
             self._spawn("kube-scheduler", [str(bins["kube-scheduler"]), *self._client_args()])
+
+    def _audit_args(self) -> list[str]:
+        if not self.audit:
+            return []
+        policy = self.workdir / "audit-policy.json"
+        policy.write_text(json.dumps({
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+            "omitStages": ["RequestReceived"],
+            "rules": [{"level": "Metadata", "verbs": list(AUDITED_VERBS)}, {"level": "None"}],
+        }))
+        return ["--audit-policy-file", str(policy), "--audit-log-path", str(self.audit_log),
+                "--audit-log-format", "json", "--audit-log-maxsize", "0",
+                "--audit-log-mode", "blocking"]
+
+    def read_audit(self) -> list[dict]:
+        """The audit log's events (`audit=True`), oldest first; [] when there is none."""
+        if not self.audit_log.exists():
+            return []
+        events = []
+        for line in self.audit_log.read_text(errors="replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:  # a line being written as we read
+                continue
+        return events
 
     def _client_args(self) -> list[str]:
         """What the controller-manager and the scheduler share: the admin kubeconfig, one

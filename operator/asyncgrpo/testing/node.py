@@ -556,9 +556,11 @@ def _kubectl(cluster: TestCluster) -> list[str]:
     return [kubectl, "--kubeconfig", str(cluster.kubeconfig)]
 
 
-def node_cluster(workdir: Path) -> TestCluster:
-    """The control plane for a cluster with a node: the API server on the veth's host end."""
-    return TestCluster(workdir, bind_address=HOST_IP, service_cidr=SERVICE_CIDR, for_node=True)
+def node_cluster(workdir: Path, audit: bool = False) -> TestCluster:
+    """The control plane for a cluster with a node: the API server on the veth's host end
+    (`audit`: TestCluster's audit log of write requests, off by default)."""
+    return TestCluster(workdir, bind_address=HOST_IP, service_cidr=SERVICE_CIDR, for_node=True,
+                       audit=audit)
 
 
 @dataclass
@@ -569,12 +571,14 @@ class ClusterWithNode:
     network: NodeNetwork = field(default_factory=NodeNetwork)
     cluster: TestCluster | None = None
     node: TestNode | None = None
+    #: the API server's audit log of write requests (TestCluster.audit), off by default
+    audit: bool = False
 
     def start(self) -> None:
         check_host()
         self.network.create()
         try:
-            self.cluster = node_cluster(self.workdir / "control-plane")
+            self.cluster = node_cluster(self.workdir / "control-plane", audit=self.audit)
             self.cluster.start()
             self.node = TestNode(self.cluster, self.workdir / "node", self.network)
             self.node.start()

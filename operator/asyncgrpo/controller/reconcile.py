@@ -618,6 +618,8 @@ def _reserve_room(rt: Runtime, state: RunState, ns: str, wanted: int,
     zero times.
     """
     cap = rt.settings.caps.sandboxes_per_namespace
+    if wanted <= 0:   # the steady state: nothing to count
+        return 0
     with rt._lock:
         others = [(f"{n}/{r}", st) for (n, r), st in rt.runs.items() if n == ns]
         names = held() | set().union(*(rt.expectations.pending_creates(k) for k, _ in others))

@@ -163,9 +163,31 @@ class Silent:
         return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def reconcile_counters(port: int) -> tuple[float, float]:
+    """(reconciles, seconds spent in them) from the operator's own metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    count = total = 0.0
+    for line in text.splitlines():
+        if line.startswith("asyncgrpo_operator_reconcile_seconds_count"):
+            count = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("asyncgrpo_operator_reconcile_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+    return count, total
+
+
 def sample(api: Api, trainers: Trainers, healthy: list[tuple[str, str]], op_pid: int,
-           window: float) -> dict[str, float]:
+           window: float, metrics_port: int) -> dict[str, float]:
+    """Status ages of the healthy runs over `window`, and what the operator did meanwhile:
+    reconciles per second (all runs), their mean time, its CPU, the machine's load."""
     ages, threads = [], []
+    c0, (n0, s0), t0 = cpu_seconds(op_pid), reconcile_counters(metrics_port), time.monotonic()
     end = time.monotonic() + window
     while time.monotonic() < end:
         served = trainers.step()
@@ -174,11 +196,16 @@ def sample(api: Api, trainers: Trainers, healthy: list[tuple[str, str]], op_pid:
             ages.append(max(0, served - step))
         threads.append(threads_of(op_pid))
         time.sleep(0.5)
+    c1, (n1, s1), t1 = cpu_seconds(op_pid), reconcile_counters(metrics_port), time.monotonic()
     ages.sort()
     return {"status_age_p50_s": statistics.median(ages),
             "status_age_p95_s": ages[int(0.95 * (len(ages) - 1))],
             "status_age_max_s": ages[-1], "operator_threads_max": max(threads),
-            "samples": len(ages)}
+            "samples": len(ages),
+            "reconciles_per_s": round((n1 - n0) / (t1 - t0), 1),
+            "reconcile_ms_mean": round(1000 * (s1 - s0) / (n1 - n0), 1) if n1 > n0 else None,
+            "operator_cpu_percent": round(100 * (c1 - c0) / (t1 - t0), 1),
+            "load_average_1m": round(os.getloadavg()[0], 1)}
 
 
 class HostileKubelet:
@@ -244,7 +271,9 @@ def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3_port: in
     hostile_ns = {"drip_trainers": f"{tag}-driptr", "drip_gateways": f"{tag}-dripgw",
                   "stalled_dns": f"{tag}-dns"}
     late_ns = [f"{tag}-late-a", f"{tag}-late-c"]
-    argv = [sys.executable, "-m", "asyncgrpo.cli", "operator", "--metrics-port", "0",
+    metrics_port = free_port()
+    argv = [sys.executable, "-m", "asyncgrpo.cli", "operator", "--metrics-address",
+            "127.0.0.1", "--metrics-port", str(metrics_port),
             "--health-port", "0", "--resync-seconds", str(args.resync),
             "--gateway-url", trainers.base + "/gw/{namespace}/{name}",
             "--trainer-metrics-url", trainers.url, "--dns-nameservers", dns.server]
@@ -309,7 +338,7 @@ def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3_port: in
                 raise SystemExit(f"healthy runs not Running: {phases}; see {work}")
             time.sleep(1)
         time.sleep(2 * args.resync)
-        alone = sample(api, trainers, healthy, op.pid, args.window)
+        alone = sample(api, trainers, healthy, op.pid, args.window, metrics_port)
         alone["new_run_first_status_s"] = late_run(late_ns[0])
 
         namespace(noisy_ns)
@@ -317,7 +346,7 @@ def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3_port: in
             add_run(noisy_ns, f"silent-{i:02d}", silent.endpoint)
         # past the burst of creating their children: the steady state with noisy neighbours
         time.sleep(max(30.0, 4 * args.resync))
-        noisy = sample(api, trainers, healthy, op.pid, args.window)
+        noisy = sample(api, trainers, healthy, op.pid, args.window, metrics_port)
         reasons = {(api.condition(noisy_ns, f"silent-{i:02d}", "BucketReady") or {})
                    .get("reason") or "none" for i in range(SILENT)}
         result = {"alone": alone, "with_silent": noisy, "silent_bucket_reasons": sorted(reasons)}
@@ -352,7 +381,7 @@ def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3_port: in
             time.sleep(2)
         hostile_ready_s = round(time.monotonic() - t_hostile, 1)
         time.sleep(2 * args.resync)
-        hostile = sample(api, trainers, healthy, op.pid, args.window)
+        hostile = sample(api, trainers, healthy, op.pid, args.window, metrics_port)
         hostile["new_run_first_status_s"] = late_run(late_ns[1])
         hostile["dripping_connections_end"] = trainers.dripping
         result.update({
@@ -425,7 +454,8 @@ def main() -> int:
             cols.append(("with_hostile", "+20 silent +48 hostile"))
         print(f"{'':26}" + "".join(f"{label:>26}" for _, label in cols))
         for key in ("status_age_p50_s", "status_age_p95_s", "status_age_max_s",
-                    "operator_threads_max", "new_run_first_status_s"):
+                    "operator_threads_max", "new_run_first_status_s", "reconciles_per_s",
+                    "reconcile_ms_mean", "operator_cpu_percent", "load_average_1m"):
             print(f"{key:26}" + "".join(f"{r[c].get(key, '-')!s:>26}" for c, _ in cols))
         print(f"goal: status age and a new run's first status below 2 x resync = "
               f"{2 * args.resync:.0f} s")

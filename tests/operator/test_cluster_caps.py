@@ -42,8 +42,14 @@ class Sampler:
         self._thread.start()
 
     def _run(self):
+        from kubernetes.client.exceptions import ApiException
+
         while not self._stop.is_set():
-            self.last = len(self.api.list("Pod", self.ns, SANDBOX))
+            try:
+                self.last = len(self.api.list("Pod", self.ns, SANDBOX))
+            except (ApiException, OSError):   # a busy API server: the next sample counts
+                time.sleep(0.1)
+                continue
             self.most = max(self.most, self.last)
             time.sleep(0.1)
 
@@ -96,7 +102,7 @@ def test_the_namespace_cap_holds_under_concurrent_runs_and_after_a_restart(
         holder = next(n for n in names if api.list("Pod", ns, f"asyncgrpo.dev/run={n}"
                                                     f",{SANDBOX}"))
         api.delete("AsyncGRPORun", ns, holder)
-        wait_for(lambda: api.get("AsyncGRPORun", ns, holder) is None, timeout=60,
+        wait_for(lambda: api.get("AsyncGRPORun", ns, holder) is None, timeout=120,
                  what="the deleted run gone")
         wait_for(lambda: sampler.last == CAP and not api.list(
             "Pod", ns, f"asyncgrpo.dev/run={holder},{SANDBOX}"), timeout=120,

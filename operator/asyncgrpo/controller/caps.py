@@ -4,7 +4,9 @@ The model (`asyncgrpo.api`) bounds each field for every cluster; a cluster admin
 bounds for theirs. `cap_errors` is read by the admission webhook (refused at apply) and by
 the reconcile (reason OverCap on the Degraded and Progressing conditions, nothing created),
 so a run over a cap never floods the cluster. The per-namespace sandbox cap is a sum over
-runs: the reconcile enforces it when it plans the pool's creations (`reconcile._reserve_room`).
+runs: the reconcile enforces it when it plans the pool's creations, counting the namespace's
+sandbox pods from the pod index (not from memory a restart loses) plus in-flight creations
+(`reconcile._reserve_room`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,16 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo import API_GROUP, API_VERSION, PLURAL
-from asyncgrpo.controller import bucket, bucketjob, kube, observe, rbac, reconcile, untrusted
+from asyncgrpo.controller import (
+    bucket,
+    bucketjob,
+    kube,
+    observe,
+    rbac,
+    reconcile,
+    sandboxes,
+    untrusted,
+)
 from asyncgrpo.controller.common import HASH_ANNOTATION, MANAGED_BY, RUN_LABEL, child_name
 from asyncgrpo.controller.runtime import Runtime, Settings
 
@@ -163,6 +172,26 @@ def _children(kwargs: dict[str, Any], key: tuple[str, str]) -> list[observe.Chil
     return list(out.values())
 
 
+def _namespace_sandboxes(kwargs: dict[str, Any], ns: str) -> set[str]:
+    """Names of every sandbox pod object of namespace `ns` in the pod index (every run's,
+    terminating ones too): what the per-namespace cap counts. The index is kopf's, filled
+    from a full list before any handler runs, so a restarted operator counts what the API
+    server holds. Read from this worker thread while kopf's loop updates it: snapshots by
+    `list()` (one step under the GIL), again if a resize still got in the way."""
+    index = kwargs["idx_pods"]
+    for _ in range(5):
+        try:
+            names: set[str] = set()
+            for key in [k for k in list(index) if k[0] == ns]:
+                store = index.get(key)
+                names.update(c.name for c in list(store or ())
+                             if c.component == sandboxes.COMPONENT)
+            return names
+        except RuntimeError:   # changed size during the copy
+            continue
+    raise kopf.TemporaryError("the pod index kept changing", delay=1)
+
+
 def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: Any) -> None:
     rt = runtime(memo)
     key = (body.metadata.namespace, body.metadata.name)
@@ -173,7 +202,8 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: An
         return
     t0 = time.perf_counter()
     try:
-        out = reconcile.reconcile(rt, dict(body), _children(kwargs, key))
+        out = reconcile.reconcile(rt, dict(body), _children(kwargs, key),
+                                  lambda: _namespace_sandboxes(kwargs, key[0]))
     except Exception as e:
         rt.metrics.reconciles.labels("error").inc()
         rt.metrics.reconcile_errors.labels(type(e).__name__).inc()

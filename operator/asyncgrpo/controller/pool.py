@@ -25,6 +25,7 @@ allowed to delete could delete every pod of the namespace; it stays read-only.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -86,34 +87,47 @@ class PodView:
 
 
 class Expectations:
-    """Creations and deletions the cache has not shown yet, per run."""
+    """Creations and deletions the cache has not shown yet, per run. Thread-safe: kopf's
+    workers reconcile runs in parallel, and the per-namespace cap reads every run's pending
+    creations (`pending_creates`)."""
 
     def __init__(self, ttl: float = 300.0, clock: Callable[[], float] = time.monotonic):
         self.ttl = ttl
         self.clock = clock
         self._adds: dict[str, dict[str, float]] = {}
         self._dels: dict[str, dict[str, float]] = {}
+        self._lock = threading.Lock()
 
     def expect_create(self, key: str, name: str) -> None:
-        self._adds.setdefault(key, {})[name] = self.clock()
+        with self._lock:
+            self._adds.setdefault(key, {})[name] = self.clock()
 
     def expect_delete(self, key: str, name: str) -> None:
-        self._dels.setdefault(key, {})[name] = self.clock()
+        with self._lock:
+            self._dels.setdefault(key, {})[name] = self.clock()
 
     def observe(self, key: str, seen: Iterable[str]) -> tuple[set[str], set[str]]:
         """Settle against the cache; returns (pending creations, pending deletions)."""
         seen = set(seen)
-        now = self.clock()
-        adds = {n: t for n, t in self._adds.get(key, {}).items()
-                if n not in seen and now - t < self.ttl}
-        dels = {n: t for n, t in self._dels.get(key, {}).items()
-                if n in seen and now - t < self.ttl}
-        self._adds[key], self._dels[key] = adds, dels
+        with self._lock:
+            now = self.clock()
+            adds = {n: t for n, t in self._adds.get(key, {}).items()
+                    if n not in seen and now - t < self.ttl}
+            dels = {n: t for n, t in self._dels.get(key, {}).items()
+                    if n in seen and now - t < self.ttl}
+            self._adds[key], self._dels[key] = adds, dels
         return set(adds), set(dels)
 
+    def pending_creates(self, key: str) -> set[str]:
+        """The creations of `key` not yet settled (and not expired), without settling."""
+        with self._lock:
+            now = self.clock()
+            return {n for n, t in self._adds.get(key, {}).items() if now - t < self.ttl}
+
     def forget(self, key: str) -> None:
-        self._adds.pop(key, None)
-        self._dels.pop(key, None)
+        with self._lock:
+            self._adds.pop(key, None)
+            self._dels.pop(key, None)
 
 
 def free_names(prefix: str, taken: Collection[str], n: int) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -101,7 +102,13 @@ def _ready(children: list[Child], component: str) -> bool:
     return w is not None and w.replicas > 0 and w.ready_replicas >= w.replicas
 
 
-def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outcome:
+def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child],
+              namespace_sandboxes: Callable[[], set[str]] | None = None) -> Outcome:
+    """One reconcile of one run from its body and its children (the index's summaries).
+
+    `namespace_sandboxes`: the names of every sandbox pod of the run's namespace, read from
+    the pod index when called (the per-namespace cap, `_reserve_room`); None: the run's own.
+    """
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     uid = str(meta.get("uid") or "")
@@ -192,7 +199,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child]) -> Outco
     else:
         obs.sandboxes, spawned, pool_error = _scale_pool(
             rt, state, body, run, children, stopped or hold, foreign, conflicts,
-            uid, budget, obs)
+            uid, budget, obs, namespace_sandboxes)
         obs.pool_error = pool_error
         # the body may predate our last status patch: the count lives in memory too
         seen = int((old.get("sandboxes") or {}).get("spawnedTotal", 0))
@@ -596,24 +603,41 @@ def _drain(rt: Runtime, state: RunState, obs: Observation, ns: str, name: str, p
                       headers={"Authorization": f"Bearer {state.gateway_token or ''}"}))
 
 
-def _reserve_room(rt: Runtime, state: RunState, ns: str, name: str, live: int,
-                  wanted: int) -> int:
+def _reserve_room(rt: Runtime, state: RunState, ns: str, wanted: int,
+                  held: Callable[[], set[str]]) -> int:
     """How many of `wanted` new sandbox pods this run may create under the per-namespace cap,
-    reserved at once: counting and reserving under one lock, so runs reconciled at the same
-    time never both take the last room (other runs' counts: their live pods plus what they
-    reserved)."""
+    reserved at once.
+
+    What the namespace holds is counted from the API server's state, never from what this
+    process remembers of earlier reconciles (a restart, or a new leadership term, starts
+    with none of it): every sandbox pod object the pod index shows in the namespace (`held`:
+    every run's, terminating ones too), plus the creations it has not shown yet (every run's
+    create-expectations), plus what runs reconciled at this moment reserved and have not
+    created yet. Counting and reserving happen under one lock, so two runs never both take
+    the last room; a pod is counted twice for a moment (expected and still reserved), never
+    zero times.
+    """
+    cap = rt.settings.caps.sandboxes_per_namespace
+    if wanted <= 0:   # the steady state: nothing to count
+        return 0
     with rt._lock:
-        others = sum(st.sandbox_pods for (n, r), st in rt.runs.items()
-                     if n == ns and r != name)
-        room = max(0, rt.settings.caps.sandboxes_per_namespace - others - live)
-        granted = min(wanted, room)
-        state.sandbox_pods = live + granted
+        others = [(f"{n}/{r}", st) for (n, r), st in rt.runs.items() if n == ns]
+        names = held() | set().union(*(rt.expectations.pending_creates(k) for k, _ in others))
+        reserved = sum(st.sandbox_reserved for _, st in others if st is not state)
+        granted = max(0, min(wanted, cap - len(names) - reserved))
+        state.sandbox_reserved = granted
     return granted
+
+
+def _release_one(rt: Runtime, state: RunState) -> None:
+    with rt._lock:
+        state.sandbox_reserved = max(0, state.sandbox_reserved - 1)
 
 
 def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun,
                 children: list[Child], stopped: bool, foreign: list[Child],
-                conflicts: list[tuple[str, str]], uid: str, budget: Budget, obs: Observation
+                conflicts: list[tuple[str, str]], uid: str, budget: Budget, obs: Observation,
+                held: Callable[[], set[str]] | None = None
                 ) -> tuple[dict[str, int], int, tuple[str, str] | None]:
     spec = run.spec.sandboxes
     assert spec is not None
@@ -643,8 +667,10 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         # a refused creation (missing RuntimeClass, quota): retry later, not every tick
         error, plan = state.pool_error[1], pool.Plan(0, plan.delete, plan.replace, plan.live,
                                                      plan.target)
-    live = sum(1 for p in pods if not p.deleting) + len(adds)
-    granted = _reserve_room(rt, state, ns, name, live, plan.create)
+    if held is None:   # no index of the namespace (unit tests): this run's pods alone
+        def held() -> set[str]:
+            return {p.name for p in pods}
+    granted = _reserve_room(rt, state, ns, plan.create, held)
     if plan.create > granted:
         caps = rt.settings.caps
         error = ("NamespaceSandboxCap", (f"the namespace holds the operator's cap of "
@@ -652,25 +678,28 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         plan = pool.Plan(granted, plan.delete, plan.replace, plan.live, plan.target)
     taken = {p.name for p in pods} | adds | {c.name for c in foreign if c.kind == "Pod"}
     prefix = sandboxes.pod_prefix(run)
-    for pod in pool.free_names(prefix, taken, plan.create):
-        body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"))
-        kopf.adopt(body, owner=owner)
-        rt.expectations.expect_create(key, pod)   # kept on AlreadyExists: it exists
-        try:
-            if _create_own(rt, state, body, uid, conflicts):
-                created += 1
-            else:   # the name is another object's: it never appears as the run's
-                rt.expectations.observe(key, [pod])
+    try:
+        for pod in pool.free_names(prefix, taken, plan.create):
+            body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"))
+            kopf.adopt(body, owner=owner)
+            rt.expectations.expect_create(key, pod)   # kept on AlreadyExists: it exists
+            _release_one(rt, state)   # counted as expected now (after: never zero times)
+            try:
+                if _create_own(rt, state, body, uid, conflicts):
+                    created += 1
+                else:   # the name is another object's: it never appears as the run's
+                    rt.expectations.observe(key, [pod])
+                    break
+            except ApiException as e:
+                rt.expectations.observe(key, [pod])  # settle: this one will never appear
+                if e.status >= 500:
+                    raise
+                error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
+                state.pool_error = (time.monotonic() + POOL_RETRY_SECONDS, error, current)
                 break
-        except ApiException as e:
-            rt.expectations.observe(key, [pod])  # settle: this one will never appear
-            if e.status >= 500:
-                raise
-            error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
-            state.pool_error = (time.monotonic() + POOL_RETRY_SECONDS, error, current)
-            break
-    with rt._lock:   # the unused part of the reservation goes back
-        state.sandbox_pods = live + created
+    finally:
+        with rt._lock:   # the unused part of the reservation goes back
+            state.sandbox_reserved = 0
     if created and error is None:
         state.pool_error = None
     # unhealthy (or suspended) pods go now; idle ones only once the gateway drained them

@@ -125,7 +125,8 @@ class RunState:
     gateway_token: str | None = None
     excess_since: float | None = None
     spawned_total: int = 0
-    sandbox_pods: int = 0                  # live sandbox pods at the last reconcile
+    #: sandbox pods this run may create in the reconcile under way (the per-namespace cap)
+    sandbox_reserved: int = 0
     finished: dict[str, str] | None = None   # terminal phase and completionTime, once reached
     last_status: tuple[str | None, dict[str, Any]] | None = None   # (body rv, status computed)
     #: a refused sandbox creation: (retry after, (reason, message), pod template hash)

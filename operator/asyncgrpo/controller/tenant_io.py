@@ -13,7 +13,8 @@ waits on one for long:
   of dripping trainers fills its own slots, never another namespace's.
 - The reconcile asks with `read(...)`: it gets the last finished reading at once, starts a new
   one when none is in flight, and waits up to `wait` seconds for it only when that endpoint
-  answered in time last time. A slow endpoint costs its own run a stale value and a condition
+  answered in time last time and its namespace has a free slot (an exchange queued behind
+  its neighbours' dripping ones would hold the caller's kopf worker for their deadline). A slow endpoint costs its own run a stale value and a condition
   (`Reading.problem`), never a kopf thread.
 - DNS of tenant-chosen names (`resolve`) goes through dnspython's asyncio resolver on the same
   loop, with a lifetime deadline per name and a cache (answers kept for `ttl`, the last good
@@ -96,6 +97,8 @@ class TenantIO:
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._ns_sem: dict[str, asyncio.Semaphore] = {}
+        #: exchanges and lookups of each namespace asked for and not finished (under _lock)
+        self._pending: dict[str, int] = {}
         self._total: asyncio.Semaphore | None = None
         self._session = None
         self._resolver = None
@@ -115,13 +118,18 @@ class TenantIO:
             fut = slot.future
             fresh = slot.reading is not None and self.clock() - slot.reading.at < refresh
             if (fut is None or fut.done()) and not fresh:
+                self._pending[namespace] = self._pending.get(namespace, 0) + 1
                 fut = slot.future = asyncio.run_coroutine_threadsafe(
                     self._exchange(key, namespace, method, url, headers or {}, parse,
                                    max_bytes), self._loop)
             last = slot.reading
-        # wait only for an endpoint that answered in time before (or was never asked): a
-        # slow one is not waited for again until it answers
-        if wait > 0 and fut is not None and not fut.done() and (last is None or last.ok):
+            # more asked of this namespace than it has slots: this exchange may queue behind
+            # its neighbours' (dripping ones hold theirs for the whole deadline)
+            queued = self._pending.get(namespace, 0) > self.limits.per_namespace
+        # wait only for an endpoint that answered in time before (or was never asked), and
+        # not when the namespace's slots are taken: a kopf worker never waits out a queue
+        if wait > 0 and fut is not None and not fut.done() and (last is None or last.ok) \
+                and not queued:
             try:
                 fut.result(timeout=wait)
             except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
@@ -161,6 +169,23 @@ class TenantIO:
     async def _exchange(self, key: tuple, namespace: str, method: str, url: str,
                         headers: dict[str, str], parse: Callable[[bytes], Any],
                         max_bytes: int) -> None:
+        try:
+            await self._exchange_in_turn(key, namespace, method, url, headers, parse,
+                                         max_bytes)
+        finally:
+            self._done(namespace)
+
+    def _done(self, namespace: str) -> None:
+        with self._lock:
+            left = self._pending.get(namespace, 0) - 1
+            if left > 0:
+                self._pending[namespace] = left
+            else:
+                self._pending.pop(namespace, None)
+
+    async def _exchange_in_turn(self, key: tuple, namespace: str, method: str, url: str,
+                                headers: dict[str, str], parse: Callable[[bytes], Any],
+                                max_bytes: int) -> None:
         import aiohttp
 
         ns_sem, total = self._sems(namespace)
@@ -218,6 +243,7 @@ class TenantIO:
                     retry if n.error else 0.0)
                 if due and not busy:
                     n.tried_at = now
+                    self._pending[namespace] = self._pending.get(namespace, 0) + 1
                     n.future = asyncio.run_coroutine_threadsafe(
                         self._lookup(namespace, host), self._loop)
                 found.update(n.addresses)
@@ -245,6 +271,12 @@ class TenantIO:
         return self._resolver
 
     async def _lookup(self, namespace: str, host: str) -> None:
+        try:
+            await self._lookup_in_turn(namespace, host)
+        finally:
+            self._done(namespace)
+
+    async def _lookup_in_turn(self, namespace: str, host: str) -> None:
         import dns.exception
         import dns.resolver
 

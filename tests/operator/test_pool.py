@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun, SandboxSpec
+from asyncgrpo.controller import pool
 from asyncgrpo.controller.pool import (
     Demand,
     Expectations,
@@ -114,14 +115,43 @@ def test_retired_pods_are_deleted_and_replaced_in_the_same_reconcile():
 
 
 def test_the_warm_pool_covers_what_is_consumed_while_replacements_start():
-    """FreshPerGroup consumes a pod per lease: at 0.4 sandboxes/s the pool keeps
-    0.4 x 15 s = 6 more warm than minWarm, so a lease does not wait for a replacement."""
+    """FreshPerGroup consumes a pod per lease: at 0.4 sandboxes/s, before any pod has
+    started, the pool keeps 0.4 x (10 s resync + 10 s assumed start) = 8 more warm than
+    minWarm, so a lease does not wait for a replacement."""
     live = pods("a", "b")
     steady = Demand(busy=0, members={"a": "warm", "b": "warm"})
     assert plan(SPEC, live, set(), set(), steady, 0).create == 0
     busy = Demand(busy=0, members={"a": "warm", "b": "warm"}, consumption_per_second=0.4)
-    assert plan(SPEC, live, set(), set(), busy, 0).create == 6
-    assert refill_warm(2, float("nan")) == 2 and refill_warm(2, -1.0) == 2
+    assert plan(SPEC, live, set(), set(), busy, 0).create == 8
+    assert refill_warm(2, float("nan"), 20.0) == 2 and refill_warm(2, -1.0, 20.0) == 2
+
+
+def test_the_refill_horizon_follows_how_fast_this_runs_pods_start():
+    """On the test node under load pods took 7 to 18 s to start and a fixed 15 s horizon let
+    the default pool (minWarm 4 at 0.5 leases/s) run dry (docs/benchmarks/sandbox-pool.md):
+    the horizon is one resync plus the upper quartile of the run's own pod starts."""
+    slow = [pool.PodView(name=n, phase="Running", ready=True, start_seconds=t)
+            for n, t in zip("abcd", (6.0, 9.0, 18.0, 30.0))]
+    d = Demand(busy=0, members=dict.fromkeys("abcd", "warm"), consumption_per_second=0.5)
+    spec = SandboxSpec(min_warm=4, max=64, hard_cap=64)
+    # horizon 10 + 30 = 40 s: 4 + 0.5 x 40 = 24 wanted, 4 there
+    assert plan(spec, slow, set(), set(), d, 0, resync_seconds=10.0).create == 20
+    assert pool.refill_horizon([], 10.0) == 10.0 + pool.DEFAULT_POD_START_SECONDS
+    assert pool.refill_horizon([5000.0, float("inf")], 5.0) == 5.0 + pool.MAX_POD_START_SECONDS
+
+
+def test_a_pods_start_is_read_from_its_creation_and_ready_condition():
+    from asyncgrpo.controller.observe import summarize
+
+    def pod(created, ready_at, ready="True"):
+        return {"kind": "Pod", "metadata": {"name": "p", "creationTimestamp": created},
+                "status": {"phase": "Running", "conditions": [
+                    {"type": "Ready", "status": ready, "lastTransitionTime": ready_at}]}}
+
+    assert summarize(pod("2026-12-03T06:00:00Z", "2026-12-03T06:00:12Z")).start_seconds == 12.0
+    assert summarize(pod("2026-12-03T06:00:00Z", "2026-12-03T06:00:12Z", "False")).start_seconds is None
+    for bad in ("yesterday", "2026-12-03T05:00:00Z", 7):  # not a time, or before creation
+        assert summarize(pod("2026-12-03T06:00:00Z", bad)).start_seconds is None
 
 
 def test_a_hostile_consumption_rate_is_refused_as_data():

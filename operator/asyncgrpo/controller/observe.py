@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncgrpo import API_GROUP
+from asyncgrpo.controller import untrusted
 from asyncgrpo.controller.common import COMPONENT_LABEL, HASH_ANNOTATION
 
 #: On the run's ConfigMap: the checkpoint identity (`api.validation.checkpoint_identity`) of
@@ -54,6 +55,8 @@ class Child:
     owner_uid: str = ""
     #: IDENTITY_ANNOTATION (the run's ConfigMap)
     identity: str = ""
+    #: a ready pod's start: creation to its Ready condition, in seconds (None before Ready)
+    start_seconds: float | None = None
 
 
 def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +86,17 @@ def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _start_seconds(meta: dict[str, Any], status: dict[str, Any]) -> float | None:
+    """Seconds from a pod's creation to its Ready condition (bounded: the times are text)."""
+    created = untrusted.timestamp(meta.get("creationTimestamp"))
+    conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, dict)}
+    ready = untrusted.timestamp(conds.get("Ready", {}).get("lastTransitionTime"))
+    if created is None or ready is None:
+        return None
+    seconds = (ready - created).total_seconds()
+    return seconds if 0.0 <= seconds <= 3600.0 else None
+
+
 def _job_fields(status: dict[str, Any]) -> dict[str, Any]:
     """A Job as a phase (Complete, Failed or Running) and, when failed, its reason."""
     for c in status.get("conditions") or []:
@@ -101,6 +115,7 @@ def summarize(body: dict[str, Any]) -> Child:
     fields: dict[str, Any] = {}
     if kind == "Pod":
         fields = _pod_fields(status)
+        fields["start_seconds"] = _start_seconds(meta, status) if fields["ready"] else None
     elif kind in ("Deployment", "StatefulSet"):
         fields = {
             "replicas": int(spec.get("replicas", 1)),

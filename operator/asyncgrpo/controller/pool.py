@@ -60,13 +60,24 @@ class Demand:
                    consumption_per_second=float(doc.get("consumption_per_second", 0.0)))
 
 
-#: seconds between a sandbox being consumed and its replacement serving: one operator resync
-#: (10 s) plus a pod start (a few seconds); the warm pool holds this much consumption extra
-REFILL_HORIZON_SECONDS = 15.0
+#: a pod start assumed before any sandbox pod of the run has become Ready
+DEFAULT_POD_START_SECONDS = 10.0
+#: the longest pod start the horizon follows (a pod stuck for minutes is a problem of its
+#: own, not a reason to keep hundreds warm)
+MAX_POD_START_SECONDS = 120.0
 
 
-def refill_warm(min_warm: int, consumption_per_second: float,
-                horizon_s: float = REFILL_HORIZON_SECONDS) -> int:
+def refill_horizon(pod_starts: Iterable[float], resync_seconds: float) -> float:
+    """Seconds between a sandbox being consumed and its replacement serving: one operator
+    resync (the retirement is seen, the pod created) plus a pod start, as this run's pods
+    have started (their upper quartile: a node under load starts pods in 7 to 18 s, not
+    the 5 s an idle one does; docs/benchmarks/sandbox-pool.md)."""
+    starts = sorted(s for s in pod_starts if math.isfinite(s) and s >= 0.0)
+    start = starts[(3 * len(starts)) // 4] if starts else DEFAULT_POD_START_SECONDS
+    return max(0.0, resync_seconds) + min(start, MAX_POD_START_SECONDS)
+
+
+def refill_warm(min_warm: int, consumption_per_second: float, horizon_s: float) -> int:
     """minWarm plus what the run consumes while a replacement is on its way, so a fresh
     sandbox per group still finds a warm pod at steady state."""
     rate = consumption_per_second if math.isfinite(consumption_per_second) else 0.0
@@ -84,6 +95,8 @@ class PodView:
     unschedulable: bool = False
     deleting: bool = False
     outdated: bool = False
+    #: creation to Ready, seconds (None until Ready): how fast this run's pods start
+    start_seconds: float | None = None
 
 
 class Expectations:
@@ -154,7 +167,7 @@ class Plan:
 
 def plan(spec: SandboxSpec, pods: list[PodView], pending_creates: set[str],
          pending_deletes: set[str], demand: Demand | None, excess_for: float,
-         suspended: bool = False, max_step: int = 64) -> Plan:
+         suspended: bool = False, max_step: int = 64, resync_seconds: float = 10.0) -> Plan:
     """Creations and deletions that move the pool toward `desired_pool_size`.
 
     Sizing is the sandbox gateway's rule (`asyncgrpo.sandbox.sizing`); this adds what only
@@ -182,7 +195,8 @@ def plan(spec: SandboxSpec, pods: list[PodView], pending_creates: set[str],
         target = desired_pool_size(
             current=current, busy=min(demand.busy, current), waiting=demand.waiting,
             starting=min(demand.starting + unknown, current),
-            min_warm=refill_warm(spec.min_warm, demand.consumption_per_second),
+            min_warm=refill_warm(spec.min_warm, demand.consumption_per_second, refill_horizon(
+                [p.start_seconds for p in pods if p.start_seconds is not None], resync_seconds)),
             max_size=spec.max, hard_cap=spec.hard_cap, max_step=max_step)
     if target > current:
         room = spec.hard_cap - current - len(replace)

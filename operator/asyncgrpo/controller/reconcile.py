@@ -647,7 +647,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     pods = [pool.PodView(name=c.name, phase=c.phase, ready=c.ready,
                          failed=c.phase == "Failed" or c.problem in STUCK_REASONS,
                          unschedulable=c.unschedulable, deleting=c.deleting,
-                         outdated=c.hash != current)
+                         outdated=c.hash != current, start_seconds=c.start_seconds)
             for c in children if c.kind == "Pod" and c.component == sandboxes.COMPONENT]
     adds, dels = rt.expectations.observe(key, [p.name for p in pods])
     demand = None
@@ -655,7 +655,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         demand = _fetch_demand(rt, obs, ns, name, budget)
     excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
     plan = pool.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped,
-                     max_step=rt.settings.pool_max_step)
+                     max_step=rt.settings.pool_max_step, resync_seconds=rt.settings.resync_seconds)
     if plan.target < plan.live and not stopped:
         state.excess_since = state.excess_since or time.monotonic()
     else:

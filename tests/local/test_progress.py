@@ -23,7 +23,7 @@ def trl_window(step: int) -> dict[str, float]:
 
 
 class FakeTrainer:
-    """Writes the status file as S3AdapterGRPOTrainer._write_status does, and serves the
+    """Writes the status file as S3AdapterGRPOTrainer.write_status does, and serves the
     real metrics endpoint."""
 
     def __init__(self, path, resumed_from_step=None):

@@ -18,7 +18,7 @@ Version numbers never repeat: a resumed trainer continues after the newest compl
 version in the bucket, which may be newer than its checkpoint (versions published after
 the checkpoint were served under those names and are immutable).
 
-Full fine-tuning (`weight_store=`): one process: TRL's `_sync_weight_merged` streams every
+Full fine-tuning (`plumbing.weight_store`): one process: TRL's `_sync_weight_merged` streams every
 parameter into `asyncgrpo.trainer.weights.BucketWeightTransfer` (TRL's `weight_transfer=`
 protocol), which publishes `weights/v{N}` (anchor or sparse delta, manifest last) with the
 trained log-probs of the probe in the manifest. Several ranks: every rank publishes its own
@@ -44,7 +44,6 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
-from asyncgrpo import wire
 from asyncgrpo.adapters.probe import (
     ProbeError,
     compare,
@@ -53,6 +52,7 @@ from asyncgrpo.adapters.probe import (
 )
 from asyncgrpo.adapters.store import AdapterStoreError, StoreUnavailable
 from asyncgrpo.storage import retry
+from asyncgrpo.trainer.plumbing import TrainerPlumbing
 from asyncgrpo.trainer.rollout_gate import RolloutGate
 from asyncgrpo.trainer.served_versions import ServedVersionRolloutLoop
 from asyncgrpo.trainer.tree.trl_integration import TreePackingMixin
@@ -102,54 +102,35 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
     attention and per-term head in place of TRL's hub FA3 kernel) + bucket transport,
     served-policy probe, metrics, bucket checkpoints.
 
-    Extra keyword arguments (all others go to TRL):
-      store: AdapterStore of the run (rank 0 publishes; others may pass None).
-      served_prefix: names are f"{served_prefix}{N}"; must end in "-v" (TRL's scheme).
-      metrics: TrainerMetrics (rank 0) or None.
-      probe_ids: token ids of the probe; None disables the probe.
-      probe_tolerance: max |diff| before ServedPolicyMatches turns False.
-      checkpoints: CheckpointStore or None; uploads each HF checkpoint, COMPLETE last.
-      retention / max_staleness: adapter versions kept in the bucket.
-      retry_attempts / retry_backoff_s: for S3 and the vLLM probe.
-      fault_corrupt_versions: versions to corrupt in the bucket right after publishing
-        (fault injection for tests and drills: exercises the refusal path for real).
-      status_file: JSON written at each step end (rank 0), for the local backend and tests.
-      samples_per_plan: samples the tree planner packs at once (one step's worth).
-      eval_rows / eval_steps / eval_generations / eval_temperature: the eval split
-        (trainer.evaluation), scored under the served policy every eval_steps steps.
+    `plumbing` (trainer.plumbing.TrainerPlumbing) is everything beside TRL's own arguments,
+    which all go to TRL.
     """
 
-    def __init__(self, *args, samples_per_plan: int | None = None, store=None, served_prefix: str = wire.DEFAULT_NAME_PREFIX, metrics=None,
-                 probe_ids=None, probe_tolerance: float = wire.DEFAULT_PROBE_TOLERANCE, checkpoints=None,
-                 retention: int = 8, max_staleness: int = 0, retry_attempts: int = 8,
-                 retry_backoff_s: float = 1.0, fault_corrupt_versions=(), status_file=None,
-                 weight_store=None, anchor_interval: int = 10, routing=None, eval_rows=None,
-                 eval_steps: int = 10, eval_generations: int = 1,
-                 eval_temperature: float | None = None, **kwargs):
-        if not served_prefix.endswith("-v"):
-            raise ValueError(f"served_prefix {served_prefix!r} must end in '-v'")
-        self._served_lora_name = served_prefix[:-2]
-        self.samples_per_plan = samples_per_plan
-        self._store = store
-        self._metrics_sink = metrics
-        self._probe_ids = list(probe_ids) if probe_ids else None
-        self._probe_tolerance = probe_tolerance
-        self._checkpoints = checkpoints
-        self._retention = retention
-        self._keep_staleness = max_staleness
-        self._retry_attempts = retry_attempts
-        self._retry_backoff_s = retry_backoff_s
-        self._fault_versions = {int(v) for v in fault_corrupt_versions}
-        self._status_file = Path(status_file) if status_file else None
+    def __init__(self, *args, plumbing: TrainerPlumbing, **kwargs):
+        p = plumbing
+        self.plumbing = p
+        self._served_lora_name = p.served_prefix[:-2]
+        self.samples_per_plan = p.samples_per_plan
+        self._store = p.store
+        self._metrics_sink = p.metrics
+        self._probe_ids = list(p.probe_ids) if p.probe_ids else None
+        self._probe_tolerance = p.probe_tolerance
+        self._checkpoints = p.checkpoints
+        self._retention = p.retention
+        self._keep_staleness = p.max_staleness
+        self._retry_attempts = p.retry_attempts
+        self._retry_backoff_s = p.retry_backoff_s
+        self._fault_versions = {int(v) for v in p.fault_corrupt_versions}
+        self._status_file = Path(p.status_file) if p.status_file else None
         self.served_version = 0  # the version rollouts request
         self._probe_failed_transiently = False
         self.published: list[dict] = []  # this process's publishes, for status and tests
         self.outputs: list[dict] = []  # the run's result once written (trainer.final)
-        self.resumed_from_step: int | None = None
+        self.resumed_from_step = p.resumed_from_step
         self.history: list[dict] = []  # per logged step: reward, loss (rank 0; bounded)
         self.evals: list[dict] = []  # per eval: step, eval_reward... (rank 0; bounded)
         self._weights = None
-        if weight_store is not None:
+        if p.weight_store is not None:
             import torch.distributed as dist
 
             from asyncgrpo.trainer.weights import BucketWeightTransfer
@@ -164,13 +145,14 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                 where = {"rank": dist.get_rank(), "world": dist.get_world_size(),
                          "group": gloo_group()}
             self._weights = cls(
-                weight_store, work, **where, anchor_interval=anchor_interval, retention=retention,
-                max_staleness=max_staleness, step_fn=lambda: int(self.state.global_step),
+                p.weight_store, work, **where, anchor_interval=p.anchor_interval,
+                retention=p.retention, max_staleness=p.max_staleness,
+                step_fn=lambda: int(self.state.global_step),
                 publish=lambda fn: retry("publish weights", fn, attempts=None,
-                                         backoff_s=retry_backoff_s,
+                                         backoff_s=p.retry_backoff_s,
                                          transient=lambda e: isinstance(e, StoreUnavailable),
                                          on_retry=self._on_retry("s3")),
-                fault_corrupt_versions=fault_corrupt_versions)
+                fault_corrupt_versions=p.fault_corrupt_versions)
             kwargs["weight_transfer"] = self._weights
             self._fault_versions = set()  # the publisher injects them for weights
         super().__init__(*args, **kwargs)
@@ -179,23 +161,21 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
 
             hf_model = self.accelerator.unwrap_model(self.model)
             self._weights.to_checkpoint = lambda sd: revert_weight_conversion(hf_model, sd)
-        self._eval_rows = eval_rows
-        self._eval_generations = eval_generations
-        self._eval_temperature = eval_temperature
-        if eval_rows:
+        self._eval = p.eval
+        if p.eval is not None and p.eval.rows:
             # The transformers Trainer's own schedule (evaluate after every eval_steps steps
             # and after the last). Set after TRL's __init__, which passes no eval_dataset to
             # the Trainer, whose __init__ refuses an eval strategy without one.
             from transformers.trainer_utils import IntervalStrategy
 
             self.args.eval_strategy = IntervalStrategy.STEPS
-            self.args.eval_steps = eval_steps
+            self.args.eval_steps = p.eval.steps
         self._gate = None
         if isinstance(self.rollout_worker, AsyncRolloutWorker):
             if self._weights is not None:  # replicas swap on their own: ask vLLM what sampled
                 self.rollout_worker._loop_cls = ServedVersionRolloutLoop
             # routing: each group's requests to one vLLM replica (asyncgrpo.trainer.routing)
-            self._gate = RolloutGate(self.rollout_worker, routing=routing)
+            self._gate = RolloutGate(self.rollout_worker, routing=p.routing)
 
     # TRL assigns `self._lora_name = "trl-policy"` in __init__ and builds the rollout worker's
     # request names from it (f"{lora_name}-v{N}"): a data descriptor keeps ours.
@@ -270,7 +250,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                     self.rollout_worker.update_model_version(version)
             self._prune()
             shutil.rmtree(adapter_dir, ignore_errors=True)
-            self._write_status()
+            self.write_status()
         t_transfer = time.time()
         self.accelerator.wait_for_everyone()
         return t_pause, t_barrier, t_transfer
@@ -313,7 +293,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                 m.set("adapter_publish_bytes", record["bytes"])
                 m.inc("adapter_published_bytes_total", record["bytes"])
                 m.hint("AdapterStoreReachable", True, "Published", f"weights v{record['version']}")
-            self._write_status()
+            self.write_status()
         return marks
 
     def _sync_weight_sharded(self, t0: float):
@@ -459,11 +439,12 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
         from asyncgrpo.trainer.evaluation import run_eval
 
         summary = {}
-        if self.accelerator.is_main_process and self._eval_rows and self.rollout_worker:
-            summary = run_eval(self.rollout_worker._loop_kwargs, self._eval_rows,
+        if self.accelerator.is_main_process and self._eval and self._eval.rows \
+                and self.rollout_worker:
+            summary = run_eval(self.rollout_worker._loop_kwargs, self._eval.rows,
                                version=self.served_version,
-                               num_generations=self._eval_generations,
-                               temperature=self._eval_temperature,
+                               num_generations=self._eval.generations,
+                               temperature=self._eval.temperature,
                                concurrency=int(self.args.max_inflight_tasks or 16))
         summary = broadcast_object_list([summary], from_process=0)[0]
         summary["policy_version"] = float(self.served_version)
@@ -504,9 +485,14 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                     m.set("rollout_queue_depth", self.rollout_queue.qsize())
                 except NotImplementedError:  # macOS mp queues
                     pass
-        self._write_status()
+        self.write_status()
 
-    def _write_status(self) -> None:
+    def record_outputs(self, outputs: list[dict]) -> None:
+        """The run's result once written (trainer.final): in status.json and the
+        termination message."""
+        self.outputs = list(outputs)
+
+    def write_status(self) -> None:
         if self._status_file is None or not self.accelerator.is_main_process:
             return
         doc = {

@@ -226,19 +226,18 @@ def run_trainer(run, env: RuntimeEnv | None = None) -> int:
         resume_dir = str(checkpoints.download(latest, env.work_dir / "resume"))
         log.info("resuming from checkpoint step %d", latest)
     trainer = _build_trainer(run, env, top.world_size, cuda, store, checkpoints, data_bucket,
-                             metrics)
-    trainer.resumed_from_step = latest
+                             metrics, latest)
     try:
         trainer.train(resume_from_checkpoint=resume_dir)
         if top.is_main:
             from asyncgrpo.trainer.final import write_final
 
             record = write_final(trainer, run, getattr(trainer, "processing_class", None))
-            trainer.outputs = [record] if record else []
+            trainer.record_outputs([record] if record else [])
             write_termination_message(int(trainer.state.global_step), int(trainer.model_version),
                                       outputs=trainer.outputs)
     finally:
-        trainer._write_status()
+        trainer.write_status()
         if pod_endpoint is not None:
             pod_endpoint.close()
     return 0
@@ -267,7 +266,7 @@ def _endpoints(run, env: RuntimeEnv, top):
 
 
 def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, checkpoints,
-                   data_bucket, metrics):
+                   data_bucket, metrics, resumed_from_step: int | None):
     """The TRL trainer with our tree packing, S3 adapters and checkpoints, from the run."""
     from transformers import AutoTokenizer
 
@@ -275,6 +274,7 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
     from asyncgrpo.trainer.data import apply_chat_template, load_dataset, load_eval_rows
     from asyncgrpo.trainer.distributed import distributed_config
     from asyncgrpo.trainer.grpo import S3AdapterGRPOTrainer
+    from asyncgrpo.trainer.plumbing import EvalSplit, TrainerPlumbing
     from asyncgrpo.trainer.rewards import build_rewards
 
     spec = run.spec
@@ -289,10 +289,28 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
         args.max_tool_calling_iterations = spec.harness.max_turns
     lora = spec.model.finetuning == "lora"
     ev = spec.data.eval
-    eval_kw = {} if ev is None else {
-        "eval_rows": load_eval_rows(run, bucket=data_bucket, workdir=env.work_dir),
-        "eval_steps": ev.eval_steps, "eval_generations": ev.num_generations,
-        "eval_temperature": ev.temperature}
+    plumbing = TrainerPlumbing(
+        store=store,
+        served_prefix=env.adapter_name_prefix,
+        samples_per_plan=spec.trainer.prompts_per_step * spec.trainer.num_generations,
+        retention=spec.adapter_store.retention,
+        max_staleness=spec.trainer.max_staleness,
+        anchor_interval=spec.model.full.anchor_interval,
+        retry_attempts=env.retry_attempts,
+        retry_backoff_s=env.retry_backoff_s,
+        probe_ids=probe_token_ids(tokenizer),
+        probe_tolerance=env.probe_tolerance,
+        metrics=metrics,
+        checkpoints=checkpoints,
+        weight_store=None if lora else _weight_store(store),
+        routing=env.routing,
+        status_file=env.work_dir / "status.json",
+        fault_corrupt_versions=tuple(env.fault_corrupt_versions),
+        eval=None if ev is None else EvalSplit(
+            rows=load_eval_rows(run, bucket=data_bucket, workdir=env.work_dir),
+            steps=ev.eval_steps, generations=ev.num_generations, temperature=ev.temperature),
+        resumed_from_step=resumed_from_step,
+    )
     return S3AdapterGRPOTrainer(
         model=spec.model.name,
         reward_funcs=build_rewards(spec.reward),
@@ -301,23 +319,7 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
         processing_class=tokenizer,
         peft_config=lora_config(spec) if lora else None,
         environment_factory=env_factory,
-        store=store,
-        served_prefix=env.adapter_name_prefix,
-        metrics=metrics,
-        probe_ids=probe_token_ids(tokenizer),
-        probe_tolerance=env.probe_tolerance,
-        checkpoints=checkpoints,
-        retention=spec.adapter_store.retention,
-        max_staleness=spec.trainer.max_staleness,
-        retry_attempts=env.retry_attempts,
-        retry_backoff_s=env.retry_backoff_s,
-        fault_corrupt_versions=env.fault_corrupt_versions,
-        status_file=env.work_dir / "status.json",
-        samples_per_plan=spec.trainer.prompts_per_step * spec.trainer.num_generations,
-        weight_store=None if lora else _weight_store(store),
-        anchor_interval=spec.model.full.anchor_interval,
-        routing=env.routing,
-        **eval_kw,
+        plumbing=plumbing,
     )
 
 

@@ -14,7 +14,17 @@ from pathlib import Path
 import yaml
 
 from asyncgrpo.testing.kube import Api, component, kubelet, now, pod_status  # noqa: F401
-from asyncgrpo.testing.waiting import wait_for  # noqa: F401 (the tests' one wait)
+from asyncgrpo.testing import waiting
+
+#: The operator tests' default wait. A run's start includes its preflight Job, whose pod here
+#: is a Python process that imports transformers and loads a tokenizer: 15-70 s on the shared
+#: 2-core machine under load (docs/operator.md, "Preflight"). The timeout only bounds a hang.
+WAIT_SECONDS = 120.0
+
+
+def wait_for(fn, timeout: float = WAIT_SECONDS, **kw):
+    """`asyncgrpo.testing.waiting.wait_for` with the operator tests' default timeout."""
+    return waiting.wait_for(fn, timeout=timeout, **kw)
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL_RUN = "asyncgrpo.dev/run"

@@ -120,10 +120,25 @@ def example(name: str) -> dict:
     return copy.deepcopy(next(d for d in docs if d.get("kind") == "AsyncGRPORun"))
 
 
+#: Data of the example runs as files "in the trainer image": the harness's job kubelet runs
+#: the preflight Job's pod on this machine, which sees these paths. The examples name data in
+#: the bucket (`bucketPath`), which the tests' buckets do not hold (several tests assert what
+#: a bucket holds), so the preflight, on by default, would refuse them naming the field.
+EXAMPLE_DATA = {
+    "lora-math.yaml": REPO / "examples/tasks/calculator-math/calculator_math/data/train.jsonl",
+    "multi-turn-sandboxes.yaml": REPO / "examples/tasks/code-fix/code_fix/data/train.jsonl",
+}
+
+
 def make_run(s3, ns: str, name: str, source: str = "lora-math.yaml", **spec_changes) -> dict:
-    """An example run pointed at the test S3 server, with a credentials Secret in `ns`."""
+    """An example run pointed at the test S3 server, with a credentials Secret in `ns`, its
+    data a file the preflight finds (EXAMPLE_DATA)."""
     run = example(source)
     run["metadata"] = {"name": name, "namespace": ns}
+    if source in EXAMPLE_DATA:
+        data = run["spec"]["data"]
+        data.pop("bucketPath", None)
+        data["path"] = str(EXAMPLE_DATA[source])
     store = run["spec"]["adapterStore"]
     store["endpoint"] = s3.endpoint
     store["credentialsSecret"] = {"name": "s3-credentials"}

@@ -25,17 +25,18 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from asyncgrpo.controller.kube import request  # noqa: E402
-from asyncgrpo.testing.cluster import TestCluster  # noqa: E402
-from asyncgrpo.testing.kube import Api  # noqa: E402
-from asyncgrpo.testing.net import free_port  # noqa: E402
+from asyncgrpo.controller.kube import request
+from asyncgrpo.testing.cluster import TestCluster
+from asyncgrpo.testing.kube import Api
+from asyncgrpo.testing.net import free_port
 
 
 def measure(api: Api, s3, ns_prefix: str, preflight: bool, runs: int, timeout: float,
             kubeconfig: str) -> list[dict]:
+    from tests.operator.helpers import make_run, s3_secret
+
     from asyncgrpo.controller.embedded import EmbeddedOperator
     from asyncgrpo.controller.runtime import Settings
-    from tests.operator.helpers import make_run, s3_secret
 
     settings = Settings(resync_seconds=1.0, gateway_url="http://127.0.0.1:1/{namespace}/{name}",
                         trainer_metrics_url="http://127.0.0.1:1/{namespace}/{name}",

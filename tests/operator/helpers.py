@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from asyncgrpo.testing.kube import Api, component, kubelet, now, pod_status  # noqa: F401
 from asyncgrpo.testing import waiting
+from asyncgrpo.testing.kube import Api, component, kubelet, now, pod_status  # noqa: F401
 
 #: The operator tests' default wait. A run's start includes its preflight Job, whose pod here
 #: is a Python process that imports transformers and loads a tokenizer: 15-70 s on the shared

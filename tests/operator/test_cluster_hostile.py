@@ -11,8 +11,14 @@ import pytest
 
 from asyncgrpo.api.validation import parse_run
 from asyncgrpo.controller import bucketjob, children, secret
-from tests.operator.helpers import component, kubelet, make_run, s3_secret, wait_for
-from tests.operator.helpers import WAIT_SECONDS
+from tests.operator.helpers import (
+    WAIT_SECONDS,
+    component,
+    kubelet,
+    make_run,
+    s3_secret,
+    wait_for,
+)
 from tests.operator.peers import Dns
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

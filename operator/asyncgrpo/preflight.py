@@ -4,8 +4,9 @@
 names: the model (a local folder with a config.json, or a hub name whose config is in the
 local cache or reachable under the run's hub settings), its tokenizer (a chat template the
 rollout harness can use: TRL's own `add_response_schema`, and for tools a prefix-preserving
-template), the data (the source exists, its first rows parse and carry the prompt field),
-and every user module (reward functions and an environment factory import and have a
+template), the data (the source exists, its first rows parse and carry the prompt field,
+and each of their prompts, rendered as TRL renders it with the tools, fits maxModelLen
+with maxCompletionTokens), and every user module (reward functions and an environment factory import and have a
 signature TRL can call). Each problem is a `FieldError` on the field to change, so a typo
 costs seconds instead of a vLLM or torchrun traceback minutes later.
 
@@ -111,10 +112,11 @@ def check_model(run, env: dict[str, str] | None = None) -> Iterator[FieldError |
     yield f"{at}: {name} is not in the local cache; it is downloaded from the hub at start"
 
 
-def check_tokenizer(run) -> Iterator[FieldError | str]:
+def check_tokenizer(run, keep: list | None = None) -> Iterator[FieldError | str]:
     """The tokenizer of spec.model.name has a chat template TRL's rollout worker can use:
     it renders a user turn, TRL recognises it (`add_response_schema`, which the worker calls),
-    and with tools it is prefix-preserving or TRL has a training variant of it."""
+    and with tools it is prefix-preserving or TRL has a training variant of it. `keep`: a
+    list the loaded tokenizer (with the run's chat template) is appended to."""
     at = "spec.model.name"
     name = run.spec.model.name
     env = _env_of(run)
@@ -135,6 +137,8 @@ def check_tokenizer(run) -> Iterator[FieldError | str]:
         apply_chat_template(tok, m)
     except DataError:
         return  # check_chat_template reports it
+    if keep is not None:
+        keep.append(tok)
     if m.chat_template is not None or m.chat_template_path is not None:
         at = "spec.model.chatTemplate" if m.chat_template else "spec.model.chatTemplatePath"
     if not getattr(tok, "chat_template", None):
@@ -175,6 +179,80 @@ def check_tokenizer(run) -> Iterator[FieldError | str]:
             except ValueError:
                 yield FieldError(at, "multi-turn with tools needs a prefix-preserving chat "
                                  "template; this one is not and TRL has no training variant")
+
+
+def tool_functions(run) -> list:
+    """The tools TRL's rollout worker renders into every prompt of a multi-turn run: the
+    public functions of the environment's class (the user's `spec.harness.environment`, or
+    the built-in sandbox tools `spec.harness.tools`), as TRL lists them; [] for single-turn
+    or an environment that does not import (check_modules reports that)."""
+    h = run.spec.harness
+    if h.type != "multi-turn":
+        return []
+    env = _environment(run)
+    try:
+        if env is not None:
+            from asyncgrpo.trainer.environments import load_environment_class
+
+            cls = load_environment_class(env.module, getattr(env, "path", None))
+        else:
+            from asyncgrpo.sandbox.environment import TOOL_NAMES, environment_class
+
+            cls = environment_class(tuple(h.tools) if h.tools else TOOL_NAMES)
+    except Exception:  # noqa: BLE001 - reported by check_modules
+        return []
+    return [fn for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+def check_prompt_lengths(run, tok, rows: list[dict[str, Any]]) -> Iterator[FieldError | str]:
+    """Each of the first rows' prompt, as TRL's rollout worker renders it (the chat template
+    with the tools' schemas and the generation prompt), plus maxCompletionTokens fits
+    spec.rollout.maxModelLen: vLLM answers a longer request with a 400 and the rollout
+    fails mid-run. Multi-turn: only the first turn can be checked here; the note says what
+    is left for the later turns (their completions and tool results)."""
+    r = run.spec.rollout
+    limit, completion = r.max_model_len, r.sampling.max_completion_tokens
+    tools = tool_functions(run)
+    lengths = []
+    for i, row in enumerate(rows):
+        prompt = row.get("prompt")
+        try:
+            if isinstance(prompt, str):
+                n = len(tok(prompt)["input_ids"])
+            else:
+                n = len(tok.apply_chat_template(prompt, tools=tools or None, tokenize=True,
+                                                add_generation_prompt=True, return_dict=False))
+        except Exception as e:  # noqa: BLE001 - the template's or the row's problem
+            yield FieldError("spec.data", f"row {i}: its prompt does not render with the chat "
+                             f"template{' and the tools' if tools else ''}: "
+                             f"{type(e).__name__}: {str(e)[:200]}")
+            return
+        lengths.append(n)
+    if not lengths:
+        return
+    longest = max(lengths)
+    row = lengths.index(longest)
+    with_tools = f" with the schemas of {len(tools)} tools" if tools else ""
+    # TRL's multi-turn loop generates up to maxTurns + 1 times (max_tool_calling_iterations
+    # tool rounds, then the answer), each request carrying every earlier turn
+    turns = run.spec.harness.max_turns + 1 if tools else 1
+    need = longest + turns * completion
+    if need > limit:
+        what = (f"with {turns} generations of up to maxCompletionTokens {completion} "
+                f"(maxTurns {run.spec.harness.max_turns} tool rounds and the answer, each "
+                "request carrying the earlier turns) that is at least"
+                if turns > 1 else f"with maxCompletionTokens {completion} that is")
+        yield FieldError("spec.rollout.maxModelLen", f"row {row} of the data renders to a "
+                         f"{longest}-token prompt{with_tools}; {what} {need} tokens > "
+                         f"maxModelLen {limit}, which vLLM refuses (HTTP 400): raise "
+                         "spec.rollout.maxModelLen (and spec.trainer.tokenBudgetPerRank "
+                         "with it) or shorten the prompts")
+    elif turns > 1:
+        yield (f"spec.rollout.maxModelLen: the longest first-turn prompt of the first "
+               f"{len(lengths)} rows is {longest} tokens{with_tools}; {turns} generations "
+               f"of {completion} tokens leave {limit - need} tokens for the tool results "
+               "(keep the environment's results shorter than that)")
 
 
 _SOURCE_KEYS = {"path": "path", "config_map": "configMap", "bucket_path": "bucketPath"}
@@ -374,8 +452,9 @@ def preflight(run, *, bucket=None, tokenizer: bool = True) -> PreflightReport:
 
     model_errors = timed("model", lambda: list(check_model(run, env)))
     take(model_errors, "model")
+    tok: list = []
     if tokenizer and not any(isinstance(e, FieldError) for e in model_errors):
-        take(timed("tokenizer", lambda: list(check_tokenizer(run))), "tokenizer")
+        take(timed("tokenizer", lambda: list(check_tokenizer(run, tok))), "tokenizer")
     take(check_chat_template(run), "chat template")
     ev = run.spec.data.eval
     if bucket is None and (run.spec.data.bucket_path or (ev is not None and ev.bucket_path)):
@@ -384,6 +463,9 @@ def preflight(run, *, bucket=None, tokenizer: bool = True) -> PreflightReport:
     take(problems, "data")
     columns = set().union(*(set(r) - {"prompt"} for r in rows)) if rows else None
     take(timed("modules", lambda: list(check_modules(run, columns))), "modules")
+    if tok and rows:
+        take(timed("prompt lengths", lambda: list(check_prompt_lengths(run, tok[0], rows))),
+             "prompt lengths")
     return report
 
 

@@ -20,12 +20,16 @@ from tests.operator.helpers import Api, JsonServer, s3_secret
 
 
 @pytest.fixture(scope="session")
-def bucket_jobs(kube_client):
-    """Runs the bucket Jobs' pods (the test cluster has no node): see
-    asyncgrpo.testing.jobs. Every test that talks to the cluster has it, through `api`."""
+def bucket_jobs(kube_client, tmp_path_factory):
+    """Runs the bucket and preflight Jobs' pods (the test cluster has no node): see
+    asyncgrpo.testing.jobs. Every test that talks to the cluster has it, through `api`.
+    The preflight (on by default, as in the operator) sees the example runs' hub models in
+    a seeded cache (asyncgrpo.testing.hub): this machine has no network."""
+    from asyncgrpo.testing.hub import seed_hub_cache
     from asyncgrpo.testing.jobs import BucketJobKubelet
 
-    kubelet = BucketJobKubelet(kube_client).start()
+    hub = seed_hub_cache(tmp_path_factory.mktemp("hub"))
+    kubelet = BucketJobKubelet(kube_client, hub_cache=hub).start()
     yield kubelet
     kubelet.stop()
 

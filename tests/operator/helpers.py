@@ -13,8 +13,18 @@ from pathlib import Path
 
 import yaml
 
+from asyncgrpo.testing import waiting
 from asyncgrpo.testing.kube import Api, component, kubelet, now, pod_status  # noqa: F401
-from asyncgrpo.testing.waiting import wait_for  # noqa: F401 (the tests' one wait)
+
+#: The operator tests' default wait. A run's start includes its preflight Job, whose pod here
+#: is a Python process that imports transformers and loads a tokenizer: 15-70 s on the shared
+#: 2-core machine under load (docs/operator.md, "Preflight"). The timeout only bounds a hang.
+WAIT_SECONDS = 120.0
+
+
+def wait_for(fn, timeout: float = WAIT_SECONDS, **kw):
+    """`asyncgrpo.testing.waiting.wait_for` with the operator tests' default timeout."""
+    return waiting.wait_for(fn, timeout=timeout, **kw)
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL_RUN = "asyncgrpo.dev/run"
@@ -110,10 +120,25 @@ def example(name: str) -> dict:
     return copy.deepcopy(next(d for d in docs if d.get("kind") == "AsyncGRPORun"))
 
 
+#: Data of the example runs as files "in the trainer image": the harness's job kubelet runs
+#: the preflight Job's pod on this machine, which sees these paths. The examples name data in
+#: the bucket (`bucketPath`), which the tests' buckets do not hold (several tests assert what
+#: a bucket holds), so the preflight, on by default, would refuse them naming the field.
+EXAMPLE_DATA = {
+    "lora-math.yaml": REPO / "examples/tasks/calculator-math/calculator_math/data/train.jsonl",
+    "multi-turn-sandboxes.yaml": REPO / "examples/tasks/code-fix/code_fix/data/train.jsonl",
+}
+
+
 def make_run(s3, ns: str, name: str, source: str = "lora-math.yaml", **spec_changes) -> dict:
-    """An example run pointed at the test S3 server, with a credentials Secret in `ns`."""
+    """An example run pointed at the test S3 server, with a credentials Secret in `ns`, its
+    data a file the preflight finds (EXAMPLE_DATA)."""
     run = example(source)
     run["metadata"] = {"name": name, "namespace": ns}
+    if source in EXAMPLE_DATA:
+        data = run["spec"]["data"]
+        data.pop("bucketPath", None)
+        data["path"] = str(EXAMPLE_DATA[source])
     store = run["spec"]["adapterStore"]
     store["endpoint"] = s3.endpoint
     store["credentialsSecret"] = {"name": "s3-credentials"}

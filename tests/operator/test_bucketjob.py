@@ -201,6 +201,16 @@ def test_reconcile_runs_setup_as_a_job_and_never_touches_the_endpoint():
         rt.kube.writes.clear()
         out = reconcile.reconcile(rt, body, ok)
         assert bucket_cond(out)["status"] == "True"
+        # the preflight (on by default) starts once the bucket is set up; the trainer waits
+        preflight = next(o for verb, o in rt.kube.writes if verb == "create"
+                         and o["metadata"]["name"] == "quiet-preflight")
+        assert all(o["spec"]["replicas"] == 0 for _, o in rt.kube.writes
+                   if o.get("kind") == "StatefulSet")
+        passed = Child(kind="Job", name="quiet-preflight", component="preflight", phase="Complete",
+                       hash=preflight["metadata"]["annotations"]["asyncgrpo.dev/spec-hash"],
+                       uid="p1", owner_uid="u1")
+        rt.kube.writes.clear()
+        out = reconcile.reconcile(rt, body, [*ok, passed])
         sts = next(o for verb, o in rt.kube.writes if o["kind"] == "StatefulSet")
         assert sts["spec"]["replicas"] == 1
         assert listener.connections == 0 and listener.received == b""

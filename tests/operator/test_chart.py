@@ -302,6 +302,8 @@ WRONG_VALUES = [
     ("webhook.certManager=true", "/webhook/certManager"),
     ("metrics.podMonitor.interval=soon", "/metrics/podMonitor/interval"),
     ("resources.limits.memory=lots", "/resources/limits/memory"),
+    ("preflight.enabled=yes", "/preflight/enabled"),
+    ("preflight.enable=false", "'enable' not allowed"),
 ]
 
 
@@ -378,3 +380,32 @@ def test_documented_overrides_apply_with_server_side_dry_run(kube_cluster, api, 
     out = yaml.safe_dump_all(helm_template(*DOCUMENTED))
     r = kubectl("apply", "--dry-run=server", "--server-side", "-f", "-", stdin=out)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_helm
+def test_the_preflight_is_on_by_default_and_a_value_turns_it_off():
+    """The chart runs the cluster preflight unless preflight.enabled is false; the operator
+    reads the same env (its default is on too, --no-preflight turns it off)."""
+    from asyncgrpo.controller.commands import register
+
+    def env_of(*sets):
+        dep = next(d for d in helm_template(*sets) if d["kind"] == "Deployment")
+        return {e["name"]: e.get("value")
+                for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert env_of()["ASYNCGRPO_OPERATOR_PREFLIGHT"] == "true"
+    assert env_of("preflight.enabled=false")["ASYNCGRPO_OPERATOR_PREFLIGHT"] == "false"
+
+    import argparse
+    import os
+    from unittest import mock
+
+    def parsed(argv, env):
+        with mock.patch.dict(os.environ, env):   # the defaults are read from the env
+            parser = argparse.ArgumentParser()
+            register(parser.add_subparsers())
+            return parser.parse_args(["operator", *argv]).preflight
+
+    off = {"ASYNCGRPO_OPERATOR_PREFLIGHT": "false"}
+    assert parsed([], {}) is True and parsed(["--no-preflight"], {}) is False
+    assert parsed([], off) is False and parsed(["--preflight"], off) is True

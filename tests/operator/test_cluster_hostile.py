@@ -11,7 +11,14 @@ import pytest
 
 from asyncgrpo.api.validation import parse_run
 from asyncgrpo.controller import bucketjob, children, secret
-from tests.operator.helpers import component, kubelet, make_run, s3_secret, wait_for
+from tests.operator.helpers import (
+    WAIT_SECONDS,
+    component,
+    kubelet,
+    make_run,
+    s3_secret,
+    wait_for,
+)
 from tests.operator.peers import Dns
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -169,7 +176,8 @@ def running(api, ns, name, gateway=True):
         sts = api.get("StatefulSet", ns, f"{name}-trainer")
         return bool(sts) and sts["spec"]["replicas"] > 0
 
-    wait_for(up, timeout=60, what=f"{name} trainer scaled up")
+    # the runs' preflight Jobs run at once (four transformers imports on the shared machine)
+    wait_for(up, timeout=2 * WAIT_SECONDS, what=f"{name} trainer scaled up")
     wait_for(lambda: kubelet(api, ns, component(name, "trainer")), what=f"{name} trainer pod")
 
 

@@ -80,10 +80,11 @@ def register(subparsers) -> None:
                    default=float(_env("BUCKET_RECHECK_SECONDS", "600") or 600),
                    help="seconds between re-runs of a run's bucket setup Job")
     p.add_argument("--preflight", action=argparse.BooleanOptionalAction,
-                   default=(_env("PREFLIGHT", "false") or "").lower() in ("1", "true", "yes"),
+                   default=(_env("PREFLIGHT", "true") or "true").lower() in ("1", "true", "yes"),
                    help="run `asyncgrpo preflight` as a Job of the run's namespace (the "
                         "trainer image) before vLLM and the trainer scale up; its outcome "
-                        "is the Preflight condition")
+                        f"is the Preflight condition. On by default; --no-preflight (or "
+                        f"{E}PREFLIGHT=false) turns it off")
     p.add_argument("--gpu-resource-name", default=_env("GPU_RESOURCE_NAME", "nvidia.com/gpu"),
                    help="extended resource GPUs are requested as by runs that name none "
                         "(spec.gpuResourceName), e.g. amd.com/gpu")

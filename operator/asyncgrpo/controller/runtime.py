@@ -108,7 +108,7 @@ class Settings:
     gpu_resource_name: str = "nvidia.com/gpu"
     #: Run `asyncgrpo preflight` as a Job (the trainer image) before vLLM and the trainer
     #: scale up, reported as the Preflight condition (controller.preflightjob).
-    preflight: bool = False
+    preflight: bool = True
 
 
 @dataclass

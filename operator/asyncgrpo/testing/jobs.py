@@ -40,8 +40,11 @@ def _now() -> str:
 class BucketJobKubelet:
     """Runs every bucket Job pod of the cluster, except in namespaces put on `hold`."""
 
-    def __init__(self, api_client, interval: float = 0.3, workers: int = 4):
+    def __init__(self, api_client, interval: float = 0.3, workers: int = 4,
+                 hub_cache: str | os.PathLike | None = None):
         self.api = api_client
+        #: a hub cache (asyncgrpo.testing.hub) the preflight pods see the hub through
+        self.hub_cache = hub_cache
         self.interval = interval
         self.held: set[str] = set()
         self.ran: list[tuple[str, str, int, str]] = []   # (namespace, pod, exit, message)
@@ -138,6 +141,11 @@ class BucketJobKubelet:
                         "AWS_CONFIG_FILE": os.devnull,
                         "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
                         wire.TERMINATION_LOG_ENV: log})
+            if self.hub_cache is not None and env.get("HF_HOME", "").startswith(wire.CACHE_DIR):
+                # the pod's cache volume, here a folder of its own; the hub (no network
+                # here) is the seeded cache, as a cluster whose hub or model cache has them
+                env.update({"HF_HOME": os.path.join(tmp, "hf"),
+                            "HF_HUB_CACHE": str(self.hub_cache), "HF_HUB_OFFLINE": "1"})
             cmd = container["command"] + (container.get("args") or [])
             assert cmd[0] == "asyncgrpo", cmd   # the image's entry point
             mounts = self._config_maps(ns, pod, container, tmp)

@@ -14,7 +14,9 @@ background process gains nothing (docs/sandboxes.md, "Reward integrity"). The re
 share of tests that pass.
 
 Every tool result is a function of the sandbox's files only (no timings, no temp paths):
-identical calls of a group's rollouts read alike and keep their shared prefix.
+identical calls of a group's rollouts read alike and keep their shared prefix. Each result
+is cut to `max_read_chars` (a file's start, the test output's end), so a rollout's turns fit
+the run's maxModelLen (run.yaml says how the numbers add up).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 class CodeFix:
     """Read, edit and test the files of one task in a sandbox."""
 
-    def __init__(self, sandbox, max_read_chars: int = 4000):
+    def __init__(self, sandbox, max_read_chars: int = 800):
         self.sandbox = sandbox
         self.max_read_chars = max_read_chars
         self.test_command = None
@@ -71,7 +73,11 @@ class CodeFix:
         self.tool_calls += 1
         if not self.test_command:
             return "error: this task has no tests"
-        return self.sandbox.run(self.test_command)
+        out = self.sandbox.run(self.test_command)
+        if len(out) > self.max_read_chars:  # the end holds the summary and the failures
+            return (f"[first {len(out) - self.max_read_chars} characters cut]\n"
+                    + out[-self.max_read_chars:])
+        return out
 
     def get_reward(self) -> float | None:
         """The share of the task's tests that pass on the model's edits, scored in a fresh

@@ -278,3 +278,33 @@ def test_unreachable_bucket_leaves_no_complete_checkpoint_and_does_not_raise(tmp
     b = Bucket("bkt", "r", s3_client(f"http://127.0.0.1:{free_port()}", "us-east-1"),
                attempts=2, backoff_s=0.01)
     assert CheckpointStore(b).upload(fake_checkpoint(tmp_path, 3), 3) is False
+
+
+def test_a_completion_the_parser_cannot_read_as_one_message_is_kept_as_text():
+    """TRL's parse_response calls .get on whatever the tokenizer's parser returns; a list
+    (the tiny random model's multi-turn output, once in CI) raised AttributeError and killed
+    the rollout. The wrapper keeps such a completion as a plain assistant message."""
+    from trl.experimental.async_grpo import async_rollout_worker as arw
+
+    from asyncgrpo.trainer import patches
+    from asyncgrpo.trainer.patches import tolerant_parse_response
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "text of " + ",".join(map(str, ids))
+
+    def as_a_list(tok, ids, prefix=None, tools=None):
+        return [].get("content")  # what TRL's hot-fix line does with a list
+
+    def truncated(tok, ids, prefix=None, tools=None):
+        raise ValueError("parse_response returned None")
+
+    def fine(tok, ids, prefix=None, tools=None):
+        return {"role": "assistant", "content": "ok", "tool_calls": [{"x": 1}]}
+
+    for upstream in (as_a_list, truncated):
+        assert tolerant_parse_response(upstream)(Tok(), [1, 2]) == {
+            "role": "assistant", "content": "text of 1,2"}
+    assert tolerant_parse_response(fine)(Tok(), [1])["tool_calls"] == [{"x": 1}]
+    patches.apply()
+    assert hasattr(arw.parse_response, "__wrapped__")

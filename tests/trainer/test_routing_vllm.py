@@ -123,7 +123,9 @@ def test_groups_and_conversations_stay_on_one_replica_and_move_when_it_dies(repl
         routing=RoutingConfig(",".join(f"http://{r}" for r in by_replica), refresh_s=3600))
 
     # the model "calls" the tool for TURNS - 1 turns, then answers: a TURNS-turn conversation
-    real_parse = trl_worker.parse_response
+    from asyncgrpo.trainer.patches import tolerant_parse_response
+
+    real_parse = tolerant_parse_response(trl_worker.parse_response)  # as patches.apply() has it
     turns_of: dict[int, int] = {}  # per conversation: the task's own marker (a ContextVar)
 
     def scripted(tok, ids, prefix=None, tools=None):

@@ -12,6 +12,12 @@ that silently stops applying would bring back a failure that only shows at run t
    package is importable, though it only speaks HTTP to the server. The trainer image does
    not install vLLM (its torch/transformers pins conflict), so the check returns True;
    `requests` and `aiohttp`, which the worker really uses, are checked instead.
+3. `async_rollout_worker.parse_response`: when the tokenizer's response parser reads a
+   completion as something other than one message (a list: seen with the tiny random
+   model's output in a multi-turn rollout), TRL's hot-fix line calls `.get` on it and the
+   AttributeError kills the rollout; a truncated completion it cannot parse at all raises
+   ValueError. Wrapped (`tolerant_parse_response`): such a completion becomes a plain
+   assistant message with its decoded text and no tool calls (the conversation ends there).
 Not here, because it is a class-level override, not a patch: TRL's `tree_fa3` attention
 fetches a FlashAttention-3 kernel from a hub at run time (`packing._flash_attn`), impossible
 offline and on CPU. The trainer class mixes in the tree engine's `TreePackingMixin`
@@ -73,6 +79,30 @@ def _patch_vllm_check() -> None:
     arw.is_vllm_available = lambda: True
 
 
+def tolerant_parse_response(upstream):
+    """TRL's `parse_response`, with a completion it cannot read as one message kept as text."""
+
+    def parse_response(tokenizer, ids, prefix=None, tools=None):
+        try:
+            msg = upstream(tokenizer, ids, prefix=prefix, tools=tools)
+        except (AttributeError, ValueError) as err:
+            log.debug("completion not parseable as one message (%s): kept as text", err)
+            msg = None
+        if not isinstance(msg, dict):
+            return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+        return msg
+
+    parse_response.__wrapped__ = upstream
+    return parse_response
+
+
+def _patch_parse_response() -> None:
+    from trl.experimental.async_grpo import async_rollout_worker as arw
+
+    if not hasattr(arw.parse_response, "__wrapped__"):
+        arw.parse_response = tolerant_parse_response(arw.parse_response)
+
+
 def apply() -> None:
     """Apply every patch once (idempotent); raises UnsupportedTRL on another TRL."""
     global _applied
@@ -81,4 +111,5 @@ def apply() -> None:
     _check_version()
     _patch_peak_flops()
     _patch_vllm_check()
+    _patch_parse_response()
     _applied = True

@@ -2,6 +2,7 @@
 as a figure. Run `python3 docs/images/architecture.py`, then look at it rendered
 (`rsvg-convert docs/images/architecture.svg -o /tmp/a.png`)."""
 import html
+
 W, H = 980, 590
 out = []
 e = html.escape
@@ -59,4 +60,5 @@ out.append(f'<text x="{W/2}" y="{H - 14}" text-anchor="middle" fill="#444">Betwe
 svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">'
        f'<defs>{defs}</defs><rect width="{W}" height="{H}" fill="white"/>' + "\n".join(out) + "</svg>\n")
 from pathlib import Path
+
 (Path(__file__).parent / "architecture.svg").write_text(svg)

@@ -216,9 +216,12 @@ def test_a_run_placed_on_a_tainted_pool_trains_and_one_without_says_why(e2e_stac
     def finished():
         for p in json.loads(stack.kubectl("-n", ns, "get", "pods", "-l",
                                           "asyncgrpo.dev/run=placed", "-o", "json"))["items"]:
-            if p["spec"].get("nodeName"):
-                seen[p["metadata"]["name"]] = p
             name = p["metadata"]["name"]
+            # the last look at a pod, but never one that lost its Ready measurement: a pod
+            # whose container has terminated no longer shows when it started
+            if p["spec"].get("nodeName") and (name not in seen
+                                              or start_to_ready(seen[name]) is None):
+                seen[name] = p
             if (p["metadata"]["labels"].get("app.kubernetes.io/component") == "vllm"
                     and name not in vllm_logs and start_to_ready(p) is not None):
                 vllm_logs[name] = stack.kubectl("-n", ns, "logs", name, "-c", "vllm",

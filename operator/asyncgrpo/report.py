@@ -208,10 +208,12 @@ def svg(panel: Panel, width: int = 720, height: int = 300) -> str:
     lo, hi = yt[0], yt[-1]
     ystep = yt[1] - yt[0]
     unit_s, unit_name = _time_axis(t1 - t0)
-    span = max((t1 - t0) / unit_s, 1e-9)
+    # points at one instant get a one-unit axis: a tiny span would vanish next to an epoch
+    # timestamp (t0 + 1e-9 == t0 at 1.8e9 s)
+    span = (t1 - t0) / unit_s if t1 - t0 > 1e-3 else 1.0
     xstep = nice_step(span, 6)
     xt = [i * xstep for i in range(int(span / xstep + 1e-9) + 1)]
-    t_end = t0 + max(span, 1e-9) * unit_s
+    t_end = t0 + span * unit_s
 
     def xy(t: float, v: float) -> tuple[float, float]:
         return left + (t - t0) / (t_end - t0) * pw, top + ph - (v - lo) / (hi - lo) * ph

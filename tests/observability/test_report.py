@@ -163,3 +163,14 @@ def test_a_long_legend_wraps_and_the_plot_keeps_its_height():
     assert len(legend_y) == 2   # 6 entries, three to a row in 632 px
     for x, name in re.findall(r'<text x="([\d.]+)" y="\d+">(run-with[^<]*)</text>', svg):
         assert float(x) + 0.56 * 11 * len(name) <= 720
+
+
+def test_a_panel_whose_points_share_one_instant_is_drawn():
+    """CI (stop 32): a panel fed once in a 5 min window had all points at one timestamp, and
+    the x scale's 1e-9 s span vanished next to an epoch of 1.8e9 s (ZeroDivisionError)."""
+    t0 = 1_796_309_253.837
+    for values in ([0.0], [0.0, 0.0], [3.0, 1.0]):
+        series = [report.Series(f"s{i}", [(t0, v)]) for i, v in enumerate(values)]
+        svg = report.svg(report.Panel("Policy lag", "steps", series))
+        assert svg.endswith("</svg>") and "nan" not in svg.lower()
+        assert _labels(svg)   # ticks are drawn

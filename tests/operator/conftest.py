@@ -23,7 +23,7 @@ from tests.operator.helpers import Api, JsonServer, s3_secret
 def bucket_jobs(kube_client, tmp_path_factory):
     """Runs the bucket and preflight Jobs' pods (the test cluster has no node): see
     asyncgrpo.testing.jobs. Every test that talks to the cluster has it, through `api`.
-    The preflight (on by default, as in the operator) sees the example runs' hub models in
+    A preflight (test_cluster_preflight.py turns it on) sees the example runs' hub models in
     a seeded cache (asyncgrpo.testing.hub): this machine has no network."""
     from asyncgrpo.testing.hub import seed_hub_cache
     from asyncgrpo.testing.jobs import BucketJobKubelet
@@ -51,7 +51,11 @@ def operator_settings(peers):
 
     return Settings(resync_seconds=1.0, gateway_url=peers.base + "/gw/{namespace}/{name}",
                     trainer_metrics_url=peers.base + "/tr/{namespace}/{name}/metrics",
-                    scrapers=None)
+                    scrapers=None,
+                    # each preflight is a 13-70 s Python process on this 2-core machine:
+                    # tests/operator/test_cluster_preflight.py turns it on (as the operator's
+                    # default is), and the node e2e tests run the chart's operator with it
+                    preflight=False)
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,10 @@ import yaml
 from asyncgrpo.testing import waiting
 from asyncgrpo.testing.kube import Api, component, kubelet, now, pod_status  # noqa: F401
 
-#: The operator tests' default wait. A run's start includes its preflight Job, whose pod here
-#: is a Python process that imports transformers and loads a tokenizer: 15-70 s on the shared
-#: 2-core machine under load (docs/operator.md, "Preflight"), once over 120 s in a clean-clone
-#: CI run. The timeout only bounds a hang.
+#: The operator tests' default wait. Where a test's operator runs preflights, a run's start
+#: includes that Job, whose pod here is a Python process that imports transformers and loads a
+#: tokenizer: 13-70 s on the shared 2-core machine under load, once over 120 s in a
+#: clean-clone CI run. The timeout only bounds a hang.
 WAIT_SECONDS = 240.0
 
 
@@ -124,7 +124,7 @@ def example(name: str) -> dict:
 #: Data of the example runs as files "in the trainer image": the harness's job kubelet runs
 #: the preflight Job's pod on this machine, which sees these paths. The examples name data in
 #: the bucket (`bucketPath`), which the tests' buckets do not hold (several tests assert what
-#: a bucket holds), so the preflight, on by default, would refuse them naming the field.
+#: a bucket holds), so a preflight would refuse them naming the field.
 EXAMPLE_DATA = {
     "lora-math.yaml": REPO / "examples/tasks/calculator-math/calculator_math/data/train.jsonl",
     "multi-turn-sandboxes.yaml": REPO / "examples/tasks/code-fix/code_fix/data/train.jsonl",

@@ -222,6 +222,7 @@ def test_operator_runs_on_the_charts_rbac_alone(kube_cluster, api, crd_installed
     api.create(s3_secret(s3_server, ns))
     settings = operator_settings(peers)
     settings.kubeconfig = str(path)
+    settings.preflight = True   # as the chart's default: its account creates the Job too
     op = EmbeddedOperator([ns], settings).start()
     try:
         run = make_run(s3_server, ns, "rbac", "multi-turn-sandboxes.yaml")

@@ -176,7 +176,7 @@ def running(api, ns, name, gateway=True):
         sts = api.get("StatefulSet", ns, f"{name}-trainer")
         return bool(sts) and sts["spec"]["replicas"] > 0
 
-    # the runs' preflight Jobs run at once (four transformers imports on the shared machine)
+    # four runs start at once on the shared machine
     wait_for(up, timeout=2 * WAIT_SECONDS, what=f"{name} trainer scaled up")
     wait_for(lambda: kubelet(api, ns, component(name, "trainer")), what=f"{name} trainer pod")
 

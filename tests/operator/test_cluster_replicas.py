@@ -65,8 +65,7 @@ def test_restart_mid_run_creates_nothing_twice_and_keeps_status(api, crd_install
         wait_for(lambda: kubelet(api, ns, component("keep", "gateway")), what="gateway pod")
         wait_for(lambda: len(kubelet(api, ns, component("keep", "sandbox"))) == 4, what="pool")
         wait_for(lambda: kubelet(api, ns, component("keep", "vllm")), what="vllm pods")
-        # the run's preflight Job comes first: on the loaded 2-core CI machine it took over
-        # the default 120 s once
+        # the loaded 2-core CI machine once took over 120 s here (with a preflight Job)
         wait_for(lambda: api.get("StatefulSet", ns, "keep-trainer")["spec"]["replicas"] == 1,
                  timeout=300, what="trainer up")
         wait_for(lambda: kubelet(api, ns, component("keep", "trainer")), what="trainer pod")

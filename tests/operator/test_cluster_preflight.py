@@ -55,8 +55,8 @@ def test_a_passing_preflight_lets_the_run_scale_up(
         api, preflighted, s3_server, bucket_jobs):
     ns = preflighted
     api.create(make_run(s3_server, ns, "good"))
-    cond = wait_for(lambda: (c := api.condition(ns, "good", "Preflight")).get("status") == "True"
-                    and c, what="Preflight=True")
+    wait_for(lambda: api.condition(ns, "good", "Preflight").get("status") == "True",
+             what="Preflight=True")
     assert any(r[1].startswith("good-preflight") and r[2] == 0 for r in bucket_jobs.ran)
     # vLLM first (the trainer follows once vLLM is Ready, which pods here never become)
     wait_for(lambda: api.get("Deployment", ns, "good-vllm")["spec"]["replicas"] >= 1,

@@ -39,9 +39,9 @@ from asyncgrpo.controller import (
     bucketjob,
     gateway,
     ownership,
-    pool,
     preflightjob,
     progress,
+    sandbox_scaling,
     sandboxes,
     secret,
     served,
@@ -584,7 +584,7 @@ MAX_DEMAND_BYTES = 1 << 20
 
 
 def _fetch_demand(rt: Runtime, obs: Observation, ns: str, name: str,
-                  budget: Budget) -> pool.Demand | None:
+                  budget: Budget) -> sandbox_scaling.Demand | None:
     url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + \
         wire.GATEWAY_DEMAND_PATH
     # an open route of the gateway: no token sent
@@ -644,7 +644,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     ns, name = run.metadata.namespace, run.metadata.name
     key = f"{ns}/{name}"
     current = sandboxes.current_hash(run)
-    pods = [pool.PodView(name=c.name, phase=c.phase, ready=c.ready,
+    pods = [sandbox_scaling.PodView(name=c.name, phase=c.phase, ready=c.ready,
                          failed=c.phase == "Failed" or c.problem in STUCK_REASONS,
                          unschedulable=c.unschedulable, deleting=c.deleting,
                          outdated=c.hash != current, start_seconds=c.start_seconds)
@@ -654,7 +654,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     if not stopped and _ready(children, gateway.COMPONENT):
         demand = _fetch_demand(rt, obs, ns, name, budget)
     excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
-    plan = pool.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped,
+    plan = sandbox_scaling.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped,
                      max_step=rt.settings.pool_max_step, resync_seconds=rt.settings.resync_seconds)
     if plan.target < plan.live and not stopped:
         state.excess_since = state.excess_since or time.monotonic()
@@ -665,7 +665,7 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
     if state.pool_error is not None and state.pool_error[2] == current \
             and time.monotonic() < state.pool_error[0]:
         # a refused creation (missing RuntimeClass, quota): retry later, not every tick
-        error, plan = state.pool_error[1], pool.Plan(0, plan.delete, plan.replace, plan.live,
+        error, plan = state.pool_error[1], sandbox_scaling.Plan(0, plan.delete, plan.replace, plan.live,
                                                      plan.target)
     if held is None:   # no index of the namespace (unit tests): this run's pods alone
         def held() -> set[str]:
@@ -675,11 +675,11 @@ def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncG
         caps = rt.settings.caps
         error = ("NamespaceSandboxCap", (f"the namespace holds the operator's cap of "
                  f"{caps.sandboxes_per_namespace} sandbox pods (all runs together)"))
-        plan = pool.Plan(granted, plan.delete, plan.replace, plan.live, plan.target)
+        plan = sandbox_scaling.Plan(granted, plan.delete, plan.replace, plan.live, plan.target)
     taken = {p.name for p in pods} | adds | {c.name for c in foreign if c.kind == "Pod"}
     prefix = sandboxes.pod_prefix(run)
     try:
-        for pod in pool.free_names(prefix, taken, plan.create):
+        for pod in sandbox_scaling.free_names(prefix, taken, plan.create):
             body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"))
             kopf.adopt(body, owner=owner)
             rt.expectations.expect_create(key, pod)   # kept on AlreadyExists: it exists

@@ -14,8 +14,8 @@ from typing import Any
 from asyncgrpo import default_image
 from asyncgrpo.controller import gateway, trainer
 from asyncgrpo.controller.metrics import OperatorMetrics
-from asyncgrpo.controller.pool import Expectations
 from asyncgrpo.controller.progress import Progress
+from asyncgrpo.controller.sandbox_scaling import Expectations
 
 
 @dataclass

@@ -54,7 +54,7 @@ from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION, operator_defaults
 from asyncgrpo.controller.kube import PRUNED_KINDS
 from asyncgrpo.controller.observe import IDENTITY_ANNOTATION, STUCK_REASONS, Child, workload
-from asyncgrpo.controller.runtime import RunState, Runtime
+from asyncgrpo.controller.runtime import BucketState, RunState, Runtime
 from asyncgrpo.controller.status import TERMINAL, Observation, Transition, compute
 
 log = logging.getLogger("asyncgrpo.operator")
@@ -291,23 +291,22 @@ def _find(children: list[Child], kind: str, name: str) -> Child | None:
     return next((c for c in children if c.kind == kind and c.name == name), None)
 
 
-def _record_bucket(state: RunState, key: str, result: bucketjob.Outcome) -> None:
+def _record_bucket(b: BucketState, key: str, result: bucketjob.Outcome) -> None:
     """Count one finished setup Job once (by its uid): success resets the backoff, a failure
     doubles it (1 s up to BUCKET_RETRY_MAX_SECONDS)."""
-    if result.uid and result.uid == state.bucket_seen_job:
+    if result.uid and result.uid == b.seen_job:
         return
-    state.bucket_seen_job = result.uid
+    b.seen_job = result.uid
     if result.state == "succeeded":
-        state.bucket_ok_for, state.bucket_failures = key, 0
-        state.bucket_error, state.bucket_failed_for = None, None
-        state.bucket_checked_at = time.monotonic()
+        b.ok_for, b.failures = key, 0
+        b.error, b.failed_for = None, None
+        b.checked_at = time.monotonic()
         return
-    state.bucket_failures = state.bucket_failures + 1 if state.bucket_failed_for == key else 1
-    state.bucket_ok_for = None
-    state.bucket_error = bucket.BucketError(result.reason, result.message)
-    state.bucket_failed_for = key
-    state.bucket_retry_at = time.monotonic() + min(2.0 ** (state.bucket_failures - 1),
-                                                   BUCKET_RETRY_MAX_SECONDS)
+    b.failures = b.failures + 1 if b.failed_for == key else 1
+    b.ok_for = None
+    b.error = bucket.BucketError(result.reason, result.message)
+    b.failed_for = key
+    b.retry_at = time.monotonic() + min(2.0 ** (b.failures - 1), BUCKET_RETRY_MAX_SECONDS)
 
 
 def credentials_refusal(rt: Runtime, run: AsyncGRPORun) -> tuple[str, str] | None:
@@ -347,13 +346,13 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
     action: tuple[str, dict[str, Any]] | None = None
     now = time.monotonic()
     if job is None:
-        if state.bucket_failed_for != key or now >= state.bucket_retry_at:
+        if state.bucket.failed_for != key or now >= state.bucket.retry_at:
             refused = credentials_refusal(rt, run)
             if refused is None:
                 action = ("create", desired)
             else:   # counted as a failed setup: reported, retried after the backoff
-                _record_bucket(state, key, bucketjob.Outcome("failed", *refused,
-                                                             uid=f"secret@{now}"))
+                _record_bucket(state.bucket, key, bucketjob.Outcome("failed", *refused,
+                                                                    uid=f"secret@{now}"))
     elif job.deleting:
         pass
     elif job.hash != key:
@@ -361,13 +360,13 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
     else:
         result = bucketjob.outcome(job, [c for c in children if c.kind == "Pod"])
         if result.state != "running":
-            _record_bucket(state, key, result)
+            _record_bucket(state.bucket, key, result)
         if result.state == "failed" or (
                 result.state == "succeeded"
-                and now - state.bucket_checked_at >= rt.settings.bucket_recheck_seconds):
+                and now - state.bucket.checked_at >= rt.settings.bucket_recheck_seconds):
             action = ("delete", desired)
-    obs.bucket_checked = key in (state.bucket_ok_for, state.bucket_failed_for)
-    obs.bucket_error = state.bucket_error if state.bucket_failed_for == key else None
+    obs.bucket_checked = key in (state.bucket.ok_for, state.bucket.failed_for)
+    obs.bucket_error = state.bucket.error if state.bucket.failed_for == key else None
     return action
 
 

@@ -112,15 +112,23 @@ class Settings:
 
 
 @dataclass
+class BucketState:
+    """What one run's bucket setup Jobs found (`reconcile._check_bucket`): the last finding
+    per spec of the Job (its hash), and the backoff of a failing one."""
+
+    ok_for: str | None = None       # setup Job (its spec hash) last succeeded
+    error: Any = None               # its last failure (`bucket.BucketError`)
+    failed_for: str | None = None   # setup Job (its spec hash) last failed
+    failures: int = 0               # failures in a row of that spec
+    retry_at: float = 0.0           # no new Job of the failed spec before (monotonic)
+    checked_at: float = 0.0         # when the last check succeeded (monotonic)
+    seen_job: str = ""              # uid of the last setup Job whose outcome counted
+
+
+@dataclass
 class RunState:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    bucket_ok_for: str | None = None       # setup Job (its spec hash) last succeeded
-    bucket_error: Any = None
-    bucket_failed_for: str | None = None   # setup Job (its spec hash) last failed
-    bucket_failures: int = 0
-    bucket_retry_at: float = 0.0
-    bucket_checked_at: float = 0.0         # when the last check succeeded (monotonic)
-    bucket_seen_job: str = ""              # uid of the last setup Job whose outcome counted
+    bucket: BucketState = field(default_factory=BucketState)
     secret_ready: bool = False
     gateway_token: str | None = None
     excess_since: float | None = None

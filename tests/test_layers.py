@@ -44,3 +44,84 @@ def test_rewards_is_a_stdlib_leaf():
 def test_lower_layers_never_import_the_trainer(folder):
     for path, names in imports_of(folder).items():
         assert not any(n.startswith("asyncgrpo.trainer") for n in names), (path, names)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("asyncgrpo", *parts)).removesuffix(".__init__")
+
+
+def _top_level(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(names a module defines at top level, names it only imports)."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return defined, imported - defined
+
+
+def test_controller_modules_take_names_from_where_they_live():
+    """Issue 27: the handlers reached `validate_run` and `checkpoint_identity` (asyncgrpo.api)
+    through `reconcile`, which only imported them. A controller module takes a name from a
+    module of the package only where that module defines it (packages' __init__ aside)."""
+    trees = {_module_name(p): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")}
+    names = {m: _top_level(t) for m, t in trees.items() if not m.endswith("__init__")}
+    leaks = []
+    for path in sorted((PACKAGE / "controller").glob("*.py")):
+        tree, here = ast.parse(path.read_text()), path.name
+        modules: dict[str, str] = {}   # local alias -> module of the package
+        taken: list[tuple[str, str]] = []   # (module, name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in trees:
+                        modules[a.asname or a.name] = f"{node.module}.{a.name}"
+                    else:
+                        taken.append((node.module, a.name))
+            elif isinstance(node, ast.Import):
+                modules.update({a.asname or a.name: a.name for a in node.names
+                                if a.name in trees})
+        taken += [(modules[n.value.id], n.attr) for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                  and n.value.id in modules]
+        leaks += [(here, f"{m}.{name}") for m, name in taken
+                  if m in names and name not in names[m][0] and name in names[m][1]]
+    assert not leaks, leaks
+
+
+def test_controller_never_reaches_into_another_objects_private_state():
+    """Issue 27: the sandbox pool's scaling took `rt._lock` (the Runtime's) to reserve room
+    under the namespace cap; the Runtime has public methods for it now
+    (`reserve_sandboxes`, `release_sandbox`, `end_reservation`)."""
+    allowed = {"os._exit"}
+    found = []
+    for path in sorted((PACKAGE / "controller").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
+                    and ast.unparse(node) not in allowed:
+                found.append((path.name, node.lineno, ast.unparse(node)))
+    assert not found, found
+
+
+def test_reconcile_leaves_the_sandbox_pool_to_sandbox_io():
+    """Issue 27: the last hundred lines of reconcile.py were the pool's I/O (the gateway's
+    demand, drains, the namespace cap's reservations, pod writes). Its plan
+    (`sandbox_scaling`) is now read and carried out by `sandbox_io`; reconcile calls it."""
+    tree = ast.parse((PACKAGE / "controller" / "reconcile.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.update(f"{node.module}.{a.name}" for a in node.names)
+            imported.add(node.module)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not any(n.startswith("asyncgrpo.controller.sandbox_scaling") for n in imported)
+    assert "asyncgrpo.controller.sandbox_io" in imported

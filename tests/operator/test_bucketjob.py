@@ -196,7 +196,7 @@ def test_reconcile_runs_setup_as_a_job_and_never_touches_the_endpoint():
         assert not [o for verb, o in rt.kube.writes if o.get("kind") == "Job"]
 
         # a later Job succeeds: BucketReady, and the trainer may start
-        rt.runs[("ns", "quiet")].bucket_retry_at = 0.0
+        rt.runs[("ns", "quiet")].bucket.retry_at = 0.0
         ok = [*workloads_ready("quiet"), job("Complete", "j2", h, run="quiet"), pod("j2", "claimed")]
         rt.kube.writes.clear()
         out = reconcile.reconcile(rt, body, ok)

@@ -26,7 +26,7 @@ from typing import Any
 
 from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.controller import rbac
+from asyncgrpo.controller import bucket, rbac
 from asyncgrpo.controller.common import (
     bucket_env,
     container_security,
@@ -66,6 +66,18 @@ class JobSettings:
     #: The Job's pod is killed after this long (a cleanup retried by the operator).
     deadline_seconds: int = 300
     allowed_endpoints: tuple[str, ...] = ()
+
+
+def job_settings(s: Any) -> JobSettings:
+    """The bucket Jobs' settings from the operator's (`runtime.Settings`)."""
+    return JobSettings(image=s.bucket_job_image, pull_policy=s.bucket_job_pull_policy,
+                       deadline_seconds=s.bucket_job_deadline_seconds,
+                       allowed_endpoints=tuple(s.allowed_endpoints))
+
+
+def owner_of(run: AsyncGRPORun, uid: str) -> bucket.Owner:
+    """The run as the owner its bucket folder's marker names."""
+    return bucket.Owner(run.metadata.namespace or "default", run.metadata.name, uid)
 
 
 def job_name(run: AsyncGRPORun, component: str) -> str:
@@ -193,3 +205,14 @@ def credentials_refusal(found: tuple[str, dict[str, str]] | None, name: str
         return ("SecretNotAllowed", (f"Secret {name} is not labelled {S3_SECRET_LABEL}=true: "
                 "only a Secret marked as S3 credentials is sent to the endpoint"))
     return None
+
+
+def credentials_refusal_of(kube: Any, run: AsyncGRPORun) -> tuple[str, str] | None:
+    """Why the run's credentialsSecret may not be sent (`credentials_refusal`), from its type
+    and labels only (`Kube.secret_kind`): the operator never reads a credentials Secret's
+    data."""
+    ref = run.spec.adapter_store.credentials_secret
+    if ref is None:
+        return None
+    return credentials_refusal(kube.secret_kind(run.metadata.namespace or "default", ref.name),
+                               ref.name)

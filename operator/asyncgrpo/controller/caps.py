@@ -6,7 +6,7 @@ the reconcile (reason OverCap on the Degraded and Progressing conditions, nothin
 so a run over a cap never floods the cluster. The per-namespace sandbox cap is a sum over
 runs: the reconcile enforces it when it plans the pool's creations, counting the namespace's
 sandbox pods from the pod index (not from memory a restart loses) plus in-flight creations
-(`reconcile._reserve_room`).
+(`Runtime.reserve_sandboxes`).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo import API_GROUP, API_VERSION, PLURAL
+from asyncgrpo.api.validation import checkpoint_identity, validate_run
 from asyncgrpo.controller import (
     bucket,
     bucketjob,
@@ -277,7 +278,7 @@ def _create_cleanup_job(rt: Runtime, job: dict[str, Any]) -> tuple[str, str] | N
     try:
         rt.kube.create(job)
     except ApiException as e:
-        reason, message = reconcile.api_error(e)
+        reason, message = kube.api_error(e)
         if e.status == 403 and "terminat" in message:
             # the namespace is going away, with the Secret and the ServiceAccount
             return ("CleanupAbandoned",
@@ -350,7 +351,7 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
             raise kopf.TemporaryError("waiting for the bucket setup Job to stop", delay=2)
         kopf.event(body, type="Warning", reason="SetupNotStopped", message=(
             f"the bucket setup Job did not stop in {timeout:.0f} s"))
-    run, _errors = reconcile.validate_run(reconcile.run_document(dict(body)))
+    run, _errors = validate_run(reconcile.run_document(dict(body)))
     if run is None:
         if ((body.spec or {}).get("adapterStore") or {}).get("deletionPolicy") == "Delete":
             return done("Warning", "CleanupSkipped", "bucket objects kept: the spec is not "
@@ -370,7 +371,7 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     try:
         bucket.check_endpoint(run.spec.adapter_store, rt.settings.allowed_endpoints,
                               resolve=False)
-        bucket.run_folder(run.spec.adapter_store, reconcile.owner_of(run, uid))
+        bucket.run_folder(run.spec.adapter_store, bucketjob.owner_of(run, uid))
     except bucket.BucketError as e:
         return done("Warning", e.reason, f"bucket objects kept: {e.message}")
 
@@ -387,11 +388,11 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
         _stop_trainer(rt, ns, children)
         raise kopf.TemporaryError("waiting for the trainer to stop before the bucket cleanup",
                                   delay=2)
-    desired = bucketjob.build_job(run, bucketjob.CLEANUP, uid, reconcile.job_settings(rt))
+    desired = bucketjob.build_job(run, bucketjob.CLEANUP, uid, bucketjob.job_settings(rt.settings))
     if job is None or job.deleting:
         if waited >= timeout:
             return give_up("no cleanup Job could run")
-        if job is None and (refused := reconcile.credentials_refusal(rt, run)):
+        if job is None and (refused := bucketjob.credentials_refusal_of(rt.kube, run)):
             return done("Warning", refused[0], f"bucket objects kept: {refused[1]}")
         if job is None and (refused := _create_cleanup_job(rt, desired)):
             return done("Warning", refused[0], f"bucket objects kept: {refused[1]}")
@@ -426,8 +427,8 @@ def validate(body: kopf.Body, memo: kopf.Memo, old: kopf.Body | None = None,
     if old is not None and old.get("spec"):
         # the previous spec, never the status (a tenant may patch it): every spec this
         # webhook admitted kept the identity of the one before, back to the first
-        prev, _prev_errors = reconcile.validate_run(reconcile.run_document(dict(old)))
-        fixed = reconcile.checkpoint_identity(prev.spec) if prev is not None else None
+        prev, _prev_errors = validate_run(reconcile.run_document(dict(old)))
+        fixed = checkpoint_identity(prev.spec) if prev is not None else None
     _run, errors, _reason = reconcile.check_run(runtime(memo), dict(body), fixed)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors[:20]), code=422)

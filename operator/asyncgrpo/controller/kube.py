@@ -19,6 +19,15 @@ from kubernetes.client.exceptions import ApiException
 from asyncgrpo import API_GROUP, API_VERSION, KIND, PLURAL
 
 
+def api_error(e: ApiException) -> tuple[str, str]:
+    """(reason, message) of a refused write, from the API server's Status body."""
+    try:
+        doc = json.loads(e.body or "{}")
+    except ValueError:
+        doc = {}
+    return doc.get("reason") or f"HTTP{e.status}", (doc.get("message") or str(e.reason))[:500]
+
+
 @dataclass(frozen=True)
 class Resource:
     """One kind the operator reads or writes."""

@@ -140,3 +140,9 @@ def workload(children: list[Child], component: str) -> Child | None:
     """The Deployment or StatefulSet of one component among a run's children, if any."""
     return next((c for c in children if c.kind in ("Deployment", "StatefulSet")
                  and c.component == component), None)
+
+
+def ready(children: list[Child], component: str) -> bool:
+    """The component's workload has replicas, and all of them ready."""
+    w = workload(children, component)
+    return w is not None and w.replicas > 0 and w.ready_replicas >= w.replicas

@@ -16,6 +16,7 @@ ReplicaSet; the status reads them, nothing runs as them). Sandbox pods are owned
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from asyncgrpo.controller import bucketjob, sandboxes
@@ -23,6 +24,8 @@ from asyncgrpo.controller.observe import Child
 
 #: kinds the reconcile may start workloads with or as: a conflict stops the run
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "Pod", "Job"})
+#: Seconds before trying again to create a child whose name another object holds.
+CONFLICT_RETRY_SECONDS = 10.0
 
 
 def must_own(kind: str, component: str) -> bool:
@@ -57,3 +60,24 @@ def message(conflicts: list[tuple[str, str]]) -> str:
     return (f"{names}{more} already exist and are not this run's (no controller reference to "
             "it): the operator does not use them and starts nothing until they are removed "
             "or renamed")
+
+
+def ours_after_all(kube: Any, obj: dict[str, Any], uid: str) -> bool:
+    """After a create answered 409: the object is the run's (a cache that lagged), or gone."""
+    meta = obj["metadata"]
+    found = kube.get(obj["kind"], meta["namespace"], meta["name"])
+    return found is None or owned_by(found.get("metadata") or {}, uid)
+
+
+def create_own(kube: Any, held: dict[tuple[str, str], float], obj: dict[str, Any], uid: str,
+               conflicts: list[tuple[str, str]]) -> bool:
+    """Create `obj` (`controller.kube.Kube.create`); False when its name is held by an object
+    that is not the run's: then (kind, name) is added to `conflicts` and to `held` (the run's
+    `RunState.conflicts`: not tried again for CONFLICT_RETRY_SECONDS)."""
+    key = (obj["kind"], obj["metadata"]["name"])
+    if kube.create(obj) is None and not ours_after_all(kube, obj, uid):
+        held[key] = time.monotonic() + CONFLICT_RETRY_SECONDS
+        if key not in conflicts:
+            conflicts.append(key)
+        return False
+    return True

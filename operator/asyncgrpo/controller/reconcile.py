@@ -4,7 +4,8 @@ write only the difference, and compute the status.
 Order: validate (the model, cross-field rules, the operator's caps) -> bucket (read the
 setup Job) -> token Secret -> the allowedEgressHosts' addresses -> children (what nothing
 runs as first, then the workloads; the trainer gated on vLLM, the gateway and the bucket)
--> setup Job -> sandbox pool (the gateway's demand; a drain request for each pod to remove)
+-> setup Job -> sandbox pool (`sandbox_io`: the gateway's demand; a drain request for each
+pod to remove)
 -> progress (the trainer's metrics and termination message; on a full fine-tuning run each
 weights puller's status) -> status. At steady state every step finds nothing to do, so a
 reconcile costs no API write; its reads are the indexes (memory) and, for a running run,
@@ -15,7 +16,6 @@ each weights puller, and a drain request per sandbox pod being removed, each bou
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +26,6 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.api.validation import (
     FieldError,
@@ -39,10 +38,9 @@ from asyncgrpo.controller import (
     bucketjob,
     gateway,
     ownership,
-    pool,
     preflightjob,
     progress,
-    sandboxes,
+    sandbox_io,
     secret,
     served,
     trainer,
@@ -52,31 +50,16 @@ from asyncgrpo.controller import (
 from asyncgrpo.controller.caps import cap_errors
 from asyncgrpo.controller.children import build_children
 from asyncgrpo.controller.common import HASH_ANNOTATION, operator_defaults
-from asyncgrpo.controller.kube import PRUNED_KINDS
-from asyncgrpo.controller.observe import IDENTITY_ANNOTATION, STUCK_REASONS, Child, workload
-from asyncgrpo.controller.runtime import RunState, Runtime
+from asyncgrpo.controller.kube import PRUNED_KINDS, api_error
+from asyncgrpo.controller.observe import IDENTITY_ANNOTATION, Child, ready, workload
+from asyncgrpo.controller.runtime import BucketState, RunState, Runtime
 from asyncgrpo.controller.status import TERMINAL, Observation, Transition, compute
+from asyncgrpo.controller.tenant_io import Budget
 
 log = logging.getLogger("asyncgrpo.operator")
 
-
-
-#: Seconds before retrying a sandbox creation the API server refused.
-POOL_RETRY_SECONDS = 30.0
 #: Longest wait between two checks of a failing bucket.
 BUCKET_RETRY_MAX_SECONDS = 30.0
-#: Seconds before trying again to create a child whose name another object holds.
-CONFLICT_RETRY_SECONDS = 10.0
-
-
-class Budget:
-    """How long one reconcile may still wait on tenants' endpoints, over all its reads."""
-
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return max(0.0, self.end - time.monotonic())
 
 
 def now_iso() -> str:
@@ -95,11 +78,6 @@ def run_document(body: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
             "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
             "spec": body.get("spec") or {}}
-
-
-def _ready(children: list[Child], component: str) -> bool:
-    w = workload(children, component)
-    return w is not None and w.replicas > 0 and w.ready_replicas >= w.replicas
 
 
 def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child],
@@ -143,8 +121,8 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child],
     conflicts = _known_conflicts(state, foreign)
     bucket_action = _check_bucket(rt, state, run, obs, uid, children)
     trainer_up = (w := workload(children, trainer.COMPONENT)) is not None and w.replicas > 0
-    deps_ready = _ready(children, vllm.COMPONENT) and (
-        run.spec.sandboxes is None or _ready(children, gateway.COMPONENT))
+    deps_ready = ready(children, vllm.COMPONENT) and (
+        run.spec.sandboxes is None or ready(children, gateway.COMPONENT))
     preflight_action, preflight_ok = _check_preflight(rt, state, run, obs, children, stopped)
     start = trainer_up or (deps_ready and obs.bucket_error is None and obs.bucket_checked
                            and preflight_ok)
@@ -187,30 +165,24 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child],
     if not conflicts:
         obs.apply_errors += _act_on_bucket_job(rt, state, body, preflight_action, conflicts, uid)
 
-    spawned = 0
     if run.spec.sandboxes is None:   # the pool was removed from the spec: its pods go too
-        key = f"{ns}/{name}"
-        left = [c.name for c in children if c.kind == "Pod"
-                and c.component == sandboxes.COMPONENT and not c.deleting]
-        _, pending = rt.expectations.observe(key, left)
-        for pod in set(left) - pending:
-            rt.expectations.expect_delete(key, pod)
-            rt.kube.delete("Pod", ns, pod)
+        sandbox_io.remove_all(rt, ns, name, children)
     else:
-        obs.sandboxes, spawned, pool_error = _scale_pool(
+        obs.sandboxes, spawned, obs.pool_error = sandbox_io.scale(
             rt, state, body, run, children, stopped or hold, foreign, conflicts,
             uid, budget, obs, namespace_sandboxes)
-        obs.pool_error = pool_error
         # the body may predate our last status patch: the count lives in memory too
         seen = int((old.get("sandboxes") or {}).get("spawnedTotal", 0))
         state.spawned_total = max(state.spawned_total, seen) + spawned
         obs.sandboxes["spawnedTotal"] = state.spawned_total
 
-    if _ready(children, trainer.COMPONENT) and not stopped:
+    if ready(children, trainer.COMPONENT) and not stopped:
         url = rt.settings.trainer_metrics_url.format(name=name, namespace=ns,
                                                      port=run.spec.trainer.metrics_port)
-        scraped = _read(rt, obs, (ns, name, "metrics"), ns, url, untrusted.metrics,
-                        progress.MAX_METRICS_BYTES, budget, "the trainer's metrics endpoint")
+        scraped = rt.tenant_io.latest(
+            (ns, name, "metrics"), ns, url, untrusted.metrics,
+            max_bytes=progress.MAX_METRICS_BYTES, budget=budget,
+            what="the trainer's metrics endpoint", problems=obs.endpoint_problems)
         if scraped is not None:
             state.progress = _merge_progress(state.progress, scraped)
     # a trainer that finished says its last numbers in its termination message: the final
@@ -220,9 +192,10 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child],
         state.progress = _merge_progress(state.progress, final)
     obs.progress = state.progress
     if run.spec.model.finetuning == "full" and not stopped:
-        obs.served_weights = served.served_weights(children, lambda ip: _read(
-            rt, obs, (ns, name, "puller", ip), ns, served.puller_url(ip), untrusted.puller,
-            served.MAX_STATUS_BYTES, budget, f"the weights puller at {ip}"))
+        obs.served_weights = served.served_weights(children, lambda ip: rt.tenant_io.latest(
+            (ns, name, "puller", ip), ns, served.puller_url(ip), untrusted.puller,
+            max_bytes=served.MAX_STATUS_BYTES, budget=budget,
+            what=f"the weights puller at {ip}", problems=obs.endpoint_problems))
     obs.conflicts = conflicts
 
     status, events = compute(run.spec, obs, old, now_iso())
@@ -276,48 +249,26 @@ def _ttl_expired(run: AsyncGRPORun, status: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------- bucket and secrets
 
 
-def owner_of(run: AsyncGRPORun, uid: str) -> bucket.Owner:
-    return bucket.Owner(run.metadata.namespace or "default", run.metadata.name, uid)
-
-
-def job_settings(rt: Runtime) -> bucketjob.JobSettings:
-    s = rt.settings
-    return bucketjob.JobSettings(image=s.bucket_job_image, pull_policy=s.bucket_job_pull_policy,
-                                 deadline_seconds=s.bucket_job_deadline_seconds,
-                                 allowed_endpoints=tuple(s.allowed_endpoints))
-
-
 def _find(children: list[Child], kind: str, name: str) -> Child | None:
     return next((c for c in children if c.kind == kind and c.name == name), None)
 
 
-def _record_bucket(state: RunState, key: str, result: bucketjob.Outcome) -> None:
+def _record_bucket(b: BucketState, key: str, result: bucketjob.Outcome) -> None:
     """Count one finished setup Job once (by its uid): success resets the backoff, a failure
     doubles it (1 s up to BUCKET_RETRY_MAX_SECONDS)."""
-    if result.uid and result.uid == state.bucket_seen_job:
+    if result.uid and result.uid == b.seen_job:
         return
-    state.bucket_seen_job = result.uid
+    b.seen_job = result.uid
     if result.state == "succeeded":
-        state.bucket_ok_for, state.bucket_failures = key, 0
-        state.bucket_error, state.bucket_failed_for = None, None
-        state.bucket_checked_at = time.monotonic()
+        b.ok_for, b.failures = key, 0
+        b.error, b.failed_for = None, None
+        b.checked_at = time.monotonic()
         return
-    state.bucket_failures = state.bucket_failures + 1 if state.bucket_failed_for == key else 1
-    state.bucket_ok_for = None
-    state.bucket_error = bucket.BucketError(result.reason, result.message)
-    state.bucket_failed_for = key
-    state.bucket_retry_at = time.monotonic() + min(2.0 ** (state.bucket_failures - 1),
-                                                   BUCKET_RETRY_MAX_SECONDS)
-
-
-def credentials_refusal(rt: Runtime, run: AsyncGRPORun) -> tuple[str, str] | None:
-    """Why the run's credentialsSecret may not be sent (`bucketjob.credentials_refusal`),
-    from its type and labels only: the operator never reads a credentials Secret's data."""
-    ref = run.spec.adapter_store.credentials_secret
-    if ref is None:
-        return None
-    return bucketjob.credentials_refusal(
-        rt.kube.secret_kind(run.metadata.namespace or "default", ref.name), ref.name)
+    b.failures = b.failures + 1 if b.failed_for == key else 1
+    b.ok_for = None
+    b.error = bucket.BucketError(result.reason, result.message)
+    b.failed_for = key
+    b.retry_at = time.monotonic() + min(2.0 ** (b.failures - 1), BUCKET_RETRY_MAX_SECONDS)
 
 
 def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observation,
@@ -335,25 +286,25 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
         # the admin's allowlist and literal metadata addresses, without a DNS query; the Job
         # checks again, resolving names, from the run's own pod
         bucket.check_endpoint(store, rt.settings.allowed_endpoints, resolve=False)
-        bucket.run_folder(store, owner_of(run, uid))
+        bucket.run_folder(store, bucketjob.owner_of(run, uid))
     except bucket.BucketError as e:
         obs.bucket_checked, obs.bucket_error = True, e
         job = _find(children, "Job", bucketjob.job_name(run, bucketjob.SETUP))
         return ("delete", {"metadata": {"name": job.name}}) if job and not job.deleting \
             else None
-    desired = bucketjob.build_job(run, bucketjob.SETUP, uid, job_settings(rt))
+    desired = bucketjob.build_job(run, bucketjob.SETUP, uid, bucketjob.job_settings(rt.settings))
     key = desired["metadata"]["annotations"][HASH_ANNOTATION]
     job = _find(children, "Job", desired["metadata"]["name"])
     action: tuple[str, dict[str, Any]] | None = None
     now = time.monotonic()
     if job is None:
-        if state.bucket_failed_for != key or now >= state.bucket_retry_at:
-            refused = credentials_refusal(rt, run)
+        if state.bucket.failed_for != key or now >= state.bucket.retry_at:
+            refused = bucketjob.credentials_refusal_of(rt.kube, run)
             if refused is None:
                 action = ("create", desired)
             else:   # counted as a failed setup: reported, retried after the backoff
-                _record_bucket(state, key, bucketjob.Outcome("failed", *refused,
-                                                             uid=f"secret@{now}"))
+                _record_bucket(state.bucket, key, bucketjob.Outcome("failed", *refused,
+                                                                    uid=f"secret@{now}"))
     elif job.deleting:
         pass
     elif job.hash != key:
@@ -361,13 +312,13 @@ def _check_bucket(rt: Runtime, state: RunState, run: AsyncGRPORun, obs: Observat
     else:
         result = bucketjob.outcome(job, [c for c in children if c.kind == "Pod"])
         if result.state != "running":
-            _record_bucket(state, key, result)
+            _record_bucket(state.bucket, key, result)
         if result.state == "failed" or (
                 result.state == "succeeded"
-                and now - state.bucket_checked_at >= rt.settings.bucket_recheck_seconds):
+                and now - state.bucket.checked_at >= rt.settings.bucket_recheck_seconds):
             action = ("delete", desired)
-    obs.bucket_checked = key in (state.bucket_ok_for, state.bucket_failed_for)
-    obs.bucket_error = state.bucket_error if state.bucket_failed_for == key else None
+    obs.bucket_checked = key in (state.bucket.ok_for, state.bucket.failed_for)
+    obs.bucket_error = state.bucket.error if state.bucket.failed_for == key else None
     return action
 
 
@@ -401,7 +352,7 @@ def _act_on_bucket_job(rt: Runtime, state: RunState, owner: dict[str, Any],
     try:
         if verb == "create":
             kopf.adopt(job, owner=owner)
-            _create_own(rt, state, job, uid, conflicts)
+            ownership.create_own(rt.kube, state.conflicts, job, uid, conflicts)
         else:   # Background: the Job goes now, its pod after it (told apart by owner uid)
             rt.kube.delete("Job", ns, job_name, propagation="Background")
     except ApiException as e:
@@ -422,26 +373,6 @@ def _known_conflicts(state: RunState, foreign: list[Child]) -> list[tuple[str, s
     return sorted(found)
 
 
-def _ours_after_all(rt: Runtime, obj: dict[str, Any], uid: str) -> bool:
-    """After a create answered 409: the object is the run's (a cache that lagged), or gone."""
-    meta = obj["metadata"]
-    found = rt.kube.get(obj["kind"], meta["namespace"], meta["name"])
-    return found is None or ownership.owned_by(found.get("metadata") or {}, uid)
-
-
-def _create_own(rt: Runtime, state: RunState, obj: dict[str, Any], uid: str,
-                conflicts: list[tuple[str, str]]) -> bool:
-    """Create `obj`; False (and a conflict recorded) when its name is held by an object that
-    is not the run's."""
-    key = (obj["kind"], obj["metadata"]["name"])
-    if rt.kube.create(obj) is None and not _ours_after_all(rt, obj, uid):
-        state.conflicts[key] = time.monotonic() + CONFLICT_RETRY_SECONDS
-        if key not in conflicts:
-            conflicts.append(key)
-        return False
-    return True
-
-
 def _ensure_secret(rt: Runtime, state: RunState, run: AsyncGRPORun,
                    owner: dict[str, Any], obs: Observation) -> list[tuple[str, str]]:
     """The run's token Secret, created once; returns [("Secret", name)] when that name is
@@ -457,11 +388,11 @@ def _ensure_secret(rt: Runtime, state: RunState, run: AsyncGRPORun,
         body = secret.build_secret(run)
         kopf.adopt(body, owner=owner)
         conflicts: list[tuple[str, str]] = []
-        if not _create_own(rt, state, body, uid, conflicts):
+        if not ownership.create_own(rt.kube, state.conflicts, body, uid, conflicts):
             return conflicts
         token = body["stringData"][secret.GATEWAY_TOKEN_KEY]
     elif not ownership.owned_by(found.get("metadata") or {}, uid):
-        state.conflicts[("Secret", sname)] = time.monotonic() + CONFLICT_RETRY_SECONDS
+        state.conflicts[("Secret", sname)] = time.monotonic() + ownership.CONFLICT_RETRY_SECONDS
         return [("Secret", sname)]
     else:
         try:
@@ -492,38 +423,7 @@ def _resolve_hosts(rt: Runtime, run: AsyncGRPORun, obs: Observation) -> list[str
     return found
 
 
-def _read(rt: Runtime, obs: Observation, key: tuple, ns: str, url: str, parse,
-          max_bytes: int, budget: Budget, what: str, method: str = "GET",
-          headers: dict[str, str] | None = None):
-    """The newest value read from a tenant's endpoint (`tenant_io`: never longer than the
-    budget on this thread), its last good one when the newest failed; a slow, oversized or
-    malformed answer is also noted for the status."""
-    io = rt.tenant_io
-    reading = io.read(key, ns, url, parse, max_bytes=max_bytes, wait=budget.left(),
-                      method=method, headers=headers)
-    if reading is None:
-        return None
-    if reading.problem is not None:
-        reason, message = reading.problem
-        if reason != "EndpointUnreachable":
-            obs.endpoint_problems.append((reason, f"{what} {message}"))
-        if method != "GET":
-            return None
-        good = io.last_good(key)
-        return good.value if good is not None else None
-    return reading.value
-
-
 # ---------------------------------------------------------------- children
-
-
-def api_error(e: ApiException) -> tuple[str, str]:
-    """(reason, message) of a refused write, from the API server's Status body."""
-    try:
-        doc = json.loads(e.body or "{}")
-    except ValueError:
-        doc = {}
-    return doc.get("reason") or f"HTTP{e.status}", (doc.get("message") or str(e.reason))[:500]
 
 
 def _apply(rt: Runtime, state: RunState, owner: dict[str, Any], desired: list[dict[str, Any]],
@@ -548,7 +448,7 @@ def _apply(rt: Runtime, state: RunState, owner: dict[str, Any], desired: list[di
             continue
         try:
             if current is None:
-                _create_own(rt, state, obj, uid, conflicts)
+                ownership.create_own(rt.kube, state.conflicts, obj, uid, conflicts)
             elif current.hash != obj["metadata"]["annotations"][HASH_ANNOTATION] \
                     and not current.deleting:
                 rt.kube.patch(obj)
@@ -574,155 +474,3 @@ def _prune_workloads(rt: Runtime, ns: str, desired: list[dict[str, Any]],
         if c.kind in PRUNED_KINDS and c.kind in ownership.WORKLOAD_KINDS \
                 and (c.kind, c.name) not in wanted and not c.deleting:
             rt.kube.delete(c.kind, ns, c.name)
-
-
-# ---------------------------------------------------------------- sandbox pool
-
-
-#: most bytes of a gateway's answer the operator reads
-MAX_DEMAND_BYTES = 1 << 20
-
-
-def _fetch_demand(rt: Runtime, obs: Observation, ns: str, name: str,
-                  budget: Budget) -> pool.Demand | None:
-    url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + \
-        wire.GATEWAY_DEMAND_PATH
-    # an open route of the gateway: no token sent
-    return _read(rt, obs, (ns, name, "demand"), ns, url, untrusted.demand, MAX_DEMAND_BYTES,
-                 budget, f"the sandbox gateway's {wire.GATEWAY_DEMAND_PATH}")
-
-
-def _drain(rt: Runtime, state: RunState, obs: Observation, ns: str, name: str, pod: str,
-           budget: Budget) -> bool:
-    """Ask the gateway to stop leasing `pod`; True once it says the pod may be deleted (an
-    answer may come on a later reconcile: the ask does not wait past the budget)."""
-    url = rt.settings.gateway_url.format(name=name, namespace=ns).rstrip("/") + \
-        wire.GATEWAY_DRAIN_PATH.format(name=pod)
-    return bool(_read(rt, obs, (ns, name, "drain", pod), ns, url, untrusted.drain, 1 << 16,
-                      budget, "the sandbox gateway's drain", method="POST",
-                      headers={"Authorization": f"Bearer {state.gateway_token or ''}"}))
-
-
-def _reserve_room(rt: Runtime, state: RunState, ns: str, wanted: int,
-                  held: Callable[[], set[str]]) -> int:
-    """How many of `wanted` new sandbox pods this run may create under the per-namespace cap,
-    reserved at once.
-
-    What the namespace holds is counted from the API server's state, never from what this
-    process remembers of earlier reconciles (a restart, or a new leadership term, starts
-    with none of it): every sandbox pod object the pod index shows in the namespace (`held`:
-    every run's, terminating ones too), plus the creations it has not shown yet (every run's
-    create-expectations), plus what runs reconciled at this moment reserved and have not
-    created yet. Counting and reserving happen under one lock, so two runs never both take
-    the last room; a pod is counted twice for a moment (expected and still reserved), never
-    zero times.
-    """
-    cap = rt.settings.caps.sandboxes_per_namespace
-    if wanted <= 0:   # the steady state: nothing to count
-        return 0
-    with rt._lock:
-        others = [(f"{n}/{r}", st) for (n, r), st in rt.runs.items() if n == ns]
-        names = held() | set().union(*(rt.expectations.pending_creates(k) for k, _ in others))
-        reserved = sum(st.sandbox_reserved for _, st in others if st is not state)
-        granted = max(0, min(wanted, cap - len(names) - reserved))
-        state.sandbox_reserved = granted
-    return granted
-
-
-def _release_one(rt: Runtime, state: RunState) -> None:
-    with rt._lock:
-        state.sandbox_reserved = max(0, state.sandbox_reserved - 1)
-
-
-def _scale_pool(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun,
-                children: list[Child], stopped: bool, foreign: list[Child],
-                conflicts: list[tuple[str, str]], uid: str, budget: Budget, obs: Observation,
-                held: Callable[[], set[str]] | None = None
-                ) -> tuple[dict[str, int], int, tuple[str, str] | None]:
-    spec = run.spec.sandboxes
-    assert spec is not None
-    ns, name = run.metadata.namespace, run.metadata.name
-    key = f"{ns}/{name}"
-    current = sandboxes.current_hash(run)
-    pods = [pool.PodView(name=c.name, phase=c.phase, ready=c.ready,
-                         failed=c.phase == "Failed" or c.problem in STUCK_REASONS,
-                         unschedulable=c.unschedulable, deleting=c.deleting,
-                         outdated=c.hash != current, start_seconds=c.start_seconds)
-            for c in children if c.kind == "Pod" and c.component == sandboxes.COMPONENT]
-    adds, dels = rt.expectations.observe(key, [p.name for p in pods])
-    demand = None
-    if not stopped and _ready(children, gateway.COMPONENT):
-        demand = _fetch_demand(rt, obs, ns, name, budget)
-    excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
-    plan = pool.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped,
-                     max_step=rt.settings.pool_max_step, resync_seconds=rt.settings.resync_seconds)
-    if plan.target < plan.live and not stopped:
-        state.excess_since = state.excess_since or time.monotonic()
-    else:
-        state.excess_since = None
-
-    created, error = 0, None
-    if state.pool_error is not None and state.pool_error[2] == current \
-            and time.monotonic() < state.pool_error[0]:
-        # a refused creation (missing RuntimeClass, quota): retry later, not every tick
-        error, plan = state.pool_error[1], pool.Plan(0, plan.delete, plan.replace, plan.live,
-                                                     plan.target)
-    if held is None:   # no index of the namespace (unit tests): this run's pods alone
-        def held() -> set[str]:
-            return {p.name for p in pods}
-    granted = _reserve_room(rt, state, ns, plan.create, held)
-    if plan.create > granted:
-        caps = rt.settings.caps
-        error = ("NamespaceSandboxCap", (f"the namespace holds the operator's cap of "
-                 f"{caps.sandboxes_per_namespace} sandbox pods (all runs together)"))
-        plan = pool.Plan(granted, plan.delete, plan.replace, plan.live, plan.target)
-    taken = {p.name for p in pods} | adds | {c.name for c in foreign if c.kind == "Pod"}
-    prefix = sandboxes.pod_prefix(run)
-    try:
-        for pod in pool.free_names(prefix, taken, plan.create):
-            body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"))
-            kopf.adopt(body, owner=owner)
-            rt.expectations.expect_create(key, pod)   # kept on AlreadyExists: it exists
-            _release_one(rt, state)   # counted as expected now (after: never zero times)
-            try:
-                if _create_own(rt, state, body, uid, conflicts):
-                    created += 1
-                else:   # the name is another object's: it never appears as the run's
-                    rt.expectations.observe(key, [pod])
-                    break
-            except ApiException as e:
-                rt.expectations.observe(key, [pod])  # settle: this one will never appear
-                if e.status >= 500:
-                    raise
-                error = api_error(e)  # e.g. a missing RuntimeClass, a quota: stop and report
-                state.pool_error = (time.monotonic() + POOL_RETRY_SECONDS, error, current)
-                break
-    finally:
-        with rt._lock:   # the unused part of the reservation goes back
-            state.sandbox_reserved = 0
-    if created and error is None:
-        state.pool_error = None
-    # unhealthy (or suspended) pods go now; idle ones only once the gateway drained them
-    deleted = list(plan.replace) + [p for p in plan.delete
-                                    if _drain(rt, state, obs, ns, name, p, budget)]
-    for pod in deleted:
-        rt.expectations.expect_delete(key, pod)
-        rt.kube.delete("Pod", ns, pod)
-    if created:
-        rt.metrics.spawned.labels(ns, name).inc(created)
-
-    members = demand.members if demand else {}
-    counts = {"warm": 0, "busy": 0, "starting": len(adds) + created, "failed": 0,
-              "wanted": plan.target}
-    for p in pods:
-        if p.deleting or p.name in dels or p.name in deleted:
-            continue
-        if p.failed or p.unschedulable:
-            counts["failed"] += 1
-        elif members.get(p.name) == "busy":
-            counts["busy"] += 1
-        elif p.ready:
-            counts["warm"] += 1
-        else:
-            counts["starting"] += 1
-    return counts, created, error

@@ -8,14 +8,15 @@ create-expectations are rebuilt from the API server's state, not carried over.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncgrpo import default_image
 from asyncgrpo.controller import gateway, trainer
 from asyncgrpo.controller.metrics import OperatorMetrics
-from asyncgrpo.controller.pool import Expectations
 from asyncgrpo.controller.progress import Progress
+from asyncgrpo.controller.sandbox_scaling import Expectations
 
 
 @dataclass
@@ -112,15 +113,23 @@ class Settings:
 
 
 @dataclass
+class BucketState:
+    """What one run's bucket setup Jobs found (`reconcile._check_bucket`): the last finding
+    per spec of the Job (its hash), and the backoff of a failing one."""
+
+    ok_for: str | None = None       # setup Job (its spec hash) last succeeded
+    error: Any = None               # its last failure (`bucket.BucketError`)
+    failed_for: str | None = None   # setup Job (its spec hash) last failed
+    failures: int = 0               # failures in a row of that spec
+    retry_at: float = 0.0           # no new Job of the failed spec before (monotonic)
+    checked_at: float = 0.0         # when the last check succeeded (monotonic)
+    seen_job: str = ""              # uid of the last setup Job whose outcome counted
+
+
+@dataclass
 class RunState:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    bucket_ok_for: str | None = None       # setup Job (its spec hash) last succeeded
-    bucket_error: Any = None
-    bucket_failed_for: str | None = None   # setup Job (its spec hash) last failed
-    bucket_failures: int = 0
-    bucket_retry_at: float = 0.0
-    bucket_checked_at: float = 0.0         # when the last check succeeded (monotonic)
-    bucket_seen_job: str = ""              # uid of the last setup Job whose outcome counted
+    bucket: BucketState = field(default_factory=BucketState)
     secret_ready: bool = False
     gateway_token: str | None = None
     excess_since: float | None = None
@@ -171,6 +180,43 @@ class Runtime:
             io, self._tenant_io = self._tenant_io, None
         if io is not None:
             io.close()
+
+    def reserve_sandboxes(self, state: RunState, ns: str, wanted: int,
+                          held: Callable[[], set[str]]) -> int:
+        """How many of `wanted` new sandbox pods the run of `state` may create under the
+        per-namespace cap (`Caps.sandboxes_per_namespace`), reserved at once for it.
+
+        What the namespace holds is counted from the API server's state, never from what this
+        process remembers of earlier reconciles (a restart, or a new leadership term, starts
+        with none of it): every sandbox pod object the pod index shows in the namespace
+        (`held`: every run's, terminating ones too), plus the creations it has not shown yet
+        (every run's create-expectations), plus what runs reconciled at this moment reserved
+        and have not created yet. Counting and reserving happen under one lock, so two runs
+        never both take the last room; a pod is counted twice for a moment (expected and still
+        reserved: `release_sandbox` after `expect_create`), never zero times.
+        """
+        cap = self.settings.caps.sandboxes_per_namespace
+        if wanted <= 0:   # the steady state: nothing to count
+            return 0
+        with self._lock:
+            others = [(f"{n}/{r}", st) for (n, r), st in self.runs.items() if n == ns]
+            names = held() | set().union(*(self.expectations.pending_creates(k)
+                                           for k, _ in others))
+            reserved = sum(st.sandbox_reserved for _, st in others if st is not state)
+            granted = max(0, min(wanted, cap - len(names) - reserved))
+            state.sandbox_reserved = granted
+        return granted
+
+    def release_sandbox(self, state: RunState) -> None:
+        """One reserved pod is an expected creation now (counted there)."""
+        with self._lock:
+            state.sandbox_reserved = max(0, state.sandbox_reserved - 1)
+
+    def end_reservation(self, state: RunState) -> None:
+        """The unused part of the run's reservation goes back (its reconcile's creations are
+        over)."""
+        with self._lock:
+            state.sandbox_reserved = 0
 
     def run(self, key: tuple[str, str]) -> RunState:
         with self._lock:

@@ -41,7 +41,7 @@ def sandbox_resources(run: AsyncGRPORun) -> dict[str, Any]:
 
 
 def pod_prefix(run: AsyncGRPORun) -> str:
-    """`<run>-sandbox`; the scaler appends the lowest free ordinal (`pool.free_names`)."""
+    """`<run>-sandbox`; the scaler appends the lowest free ordinal (`sandbox_scaling.free_names`)."""
     return name(run, COMPONENT)
 
 

@@ -86,6 +86,16 @@ class Limits:
     nameservers: list[str] = field(default_factory=list)
 
 
+class Budget:
+    """How long one reconcile may still wait on tenants' endpoints, over all its reads."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+
 class TenantIO:
     """The operator's one place for talking to tenant-controlled endpoints (module doc)."""
 
@@ -136,6 +146,27 @@ class TenantIO:
                 pass
         with self._lock:
             return self._slots[key].reading
+
+    def latest(self, key: tuple, namespace: str, url: str, parse: Callable[[bytes], Any], *,
+               max_bytes: int, budget: Budget, what: str, problems: list[tuple[str, str]],
+               method: str = "GET", headers: dict[str, str] | None = None) -> Any:
+        """The newest value read from a tenant's endpoint (`read`, waiting no longer than the
+        budget), its last good one when the newest failed (GET only: an answer to a POST is
+        never reused); a slow, oversized or malformed answer is also noted in `problems` as
+        (reason, "<what> <message>") for the run's status."""
+        reading = self.read(key, namespace, url, parse, max_bytes=max_bytes,
+                            wait=budget.left(), method=method, headers=headers)
+        if reading is None:
+            return None
+        if reading.problem is not None:
+            reason, message = reading.problem
+            if reason != "EndpointUnreachable":
+                problems.append((reason, f"{what} {message}"))
+            if method != "GET":
+                return None
+            good = self.last_good(key)
+            return good.value if good is not None else None
+        return reading.value
 
     def last_good(self, key: tuple) -> Reading | None:
         with self._lock:

@@ -64,8 +64,8 @@ def short_text(value: Any, what: str, most: int = 253) -> str:
 
 
 def demand(body: bytes):
-    """The gateway's `/v1/demand` answer as a `pool.Demand`."""
-    from asyncgrpo.controller.pool import Demand
+    """The gateway's `/v1/demand` answer as a `sandbox_scaling.Demand`."""
+    from asyncgrpo.controller.sandbox_scaling import Demand
 
     doc = json_doc(body)
     if not isinstance(doc, dict):

@@ -3,7 +3,7 @@
 On a cluster the operator creates sandbox pods, the gateway watches them, and the operator
 deletes the ones the gateway reports `retired` (lifecycle FreshPerGroup: the pod served its
 one group) or `unhealthy`, and creates replacements, sized by the gateway's demand signal
-(`asyncgrpo.controller.pool`). Locally `LocalSandboxPool` does the same with processes:
+(`asyncgrpo.controller.sandbox_scaling`). Locally `LocalSandboxPool` does the same with processes:
 
 - each sandbox pod is built by the operator's builder (`controller.sandboxes.build_pod`,
   named `<run>-sandbox-local<n>`, never a name twice) and translated like every other pod
@@ -43,7 +43,7 @@ from pathlib import Path
 from asyncgrpo import wire
 from asyncgrpo.api import AsyncGRPORun
 from asyncgrpo.controller import sandboxes
-from asyncgrpo.controller.pool import REPLACED_STATES, Demand, refill_warm
+from asyncgrpo.controller.sandbox_scaling import REPLACED_STATES, Demand, refill_warm
 from asyncgrpo.local.placement import (
     Pod,
     add_pod,

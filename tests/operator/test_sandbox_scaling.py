@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun, SandboxSpec
-from asyncgrpo.controller import pool
-from asyncgrpo.controller.pool import (
+from asyncgrpo.controller import sandbox_scaling as scaling
+from asyncgrpo.controller.sandbox_scaling import (
     Demand,
     Expectations,
     PodView,
@@ -130,14 +130,14 @@ def test_the_refill_horizon_follows_how_fast_this_runs_pods_start():
     """On the test node under load pods took 7 to 18 s to start and a fixed 15 s horizon let
     the default pool (minWarm 4 at 0.5 leases/s) run dry (docs/benchmarks/sandbox-pool.md):
     the horizon is one resync plus the upper quartile of the run's own pod starts."""
-    slow = [pool.PodView(name=n, phase="Running", ready=True, start_seconds=t)
+    slow = [scaling.PodView(name=n, phase="Running", ready=True, start_seconds=t)
             for n, t in zip("abcd", (6.0, 9.0, 18.0, 30.0))]
     d = Demand(busy=0, members=dict.fromkeys("abcd", "warm"), consumption_per_second=0.5)
     spec = SandboxSpec(min_warm=4, max=64, hard_cap=64)
     # horizon 10 + 30 = 40 s: 4 + 0.5 x 40 = 24 wanted, 4 there
     assert plan(spec, slow, set(), set(), d, 0, resync_seconds=10.0).create == 20
-    assert pool.refill_horizon([], 10.0) == 10.0 + pool.DEFAULT_POD_START_SECONDS
-    assert pool.refill_horizon([5000.0, float("inf")], 5.0) == 5.0 + pool.MAX_POD_START_SECONDS
+    assert scaling.refill_horizon([], 10.0) == 10.0 + scaling.DEFAULT_POD_START_SECONDS
+    assert scaling.refill_horizon([5000.0, float("inf")], 5.0) == 5.0 + scaling.MAX_POD_START_SECONDS
 
 
 def test_a_pods_start_is_read_from_its_creation_and_ready_condition():

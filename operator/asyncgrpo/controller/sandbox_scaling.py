@@ -1,4 +1,5 @@
-"""Sandbox pool scaling: how many pods to want, which to delete, and create-expectations.
+"""Sandbox pod scaling, the rule: how many pods to want, which to delete, and
+create-expectations. Pure: `sandbox_io` reads the inputs and carries the plan out.
 
 The operator sees pods through a watch-fed cache, which lags behind its own writes. Counting
 only the cache, a scaler that just created 10 pods would see 0 and create 10 more on the next

@@ -28,8 +28,8 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo import API_GROUP, API_VERSION, PLURAL
+from asyncgrpo.bucket import policy as bucket
 from asyncgrpo.controller import (
-    bucket,
     bucketjob,
     kube,
     observe,

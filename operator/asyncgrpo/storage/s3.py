@@ -269,11 +269,13 @@ class Bucket:
 
         return self.call("list", prefix, run)
 
-    def head_bucket(self) -> None:
-        """Raises (StoreRequestError with code "404" when there is no such bucket)."""
+    def probe(self) -> None:
+        """HEAD of the bucket itself: raises (StoreRequestError with code "404" when there is
+        no such bucket)."""
         self.call("head", "", lambda: self.client.head_bucket(Bucket=self.bucket))
 
-    def create_bucket(self, region: str | None) -> None:
+    def create(self, region: str | None) -> None:
+        """Create the bucket (in `region`; us-east-1 takes no location constraint)."""
         kw: dict[str, Any] = {"Bucket": self.bucket}
         if region and region != "us-east-1":
             kw["CreateBucketConfiguration"] = {"LocationConstraint": region}
@@ -283,9 +285,11 @@ class Bucket:
         return self.call("head", key, _unless_missing(
             lambda: self.client.head_object(Bucket=self.bucket, Key=key) and True, False))
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes; with `max_bytes`, only its first ones (one ranged GET)."""
+        extra = {} if max_bytes is None else {"Range": f"bytes=0-{max_bytes - 1}"}
         return self.call("get", key, lambda: self.client.get_object(
-            Bucket=self.bucket, Key=key)["Body"].read())
+            Bucket=self.bucket, Key=key, **extra)["Body"].read())
 
     def get_or_none(self, key: str) -> bytes | None:
         """The object's bytes, or None when there is no such key."""

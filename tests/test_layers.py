@@ -125,3 +125,102 @@ def test_reconcile_leaves_the_sandbox_pool_to_sandbox_io():
             imported.update(a.name for a in node.names)
     assert not any(n.startswith("asyncgrpo.controller.sandbox_scaling") for n in imported)
     assert "asyncgrpo.controller.sandbox_io" in imported
+# ------------------------------------------------ storage: the one S3 layer and versioned store
+
+#: The S3 client's request methods: only `asyncgrpo.storage` calls them. Besides it, the
+#: local S3 server's own loader (`local/s3.py`, the server side: it seeds and saves the moto
+#: server it runs) and the test harness.
+S3_REQUESTS = {"put_object", "get_object", "head_object", "delete_object", "delete_objects",
+               "list_objects_v2", "list_objects", "upload_file", "download_file",
+               "upload_fileobj", "download_fileobj", "head_bucket", "create_bucket",
+               "copy_object", "get_paginator"}
+S3_SERVER_SIDE = ("local/s3.py", "testing/")
+
+
+def _top(path: str) -> str:
+    """The package a file of asyncgrpo belongs to (a top-level module is its own)."""
+    return path.split("/")[0].removesuffix(".py")
+
+
+def _sources() -> dict[str, ast.AST]:
+    return {str(p.relative_to(PACKAGE)): ast.parse(p.read_text())
+            for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_no_private_name_is_imported_across_packages():
+    """A `_name` is its package's own: another package that needs it gets a public one (the
+    weights store once imported the adapter store's `_check_relpath`)."""
+    bad = []
+    for path, tree in _sources().items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                    and node.module.startswith("asyncgrpo.")):
+                continue
+            owner = node.module.split(".")[1]
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") \
+                        and owner != _top(path):
+                    bad.append(f"{path}: from {node.module} import {alias.name}")
+    assert not bad, bad
+
+
+def test_only_storage_sends_s3_requests():
+    """Every S3 request goes through `asyncgrpo.storage` (retries, error codes, the
+    missing-key codes in one place): no module calls a boto3 client's request method itself
+    (the bucket Job once did, fault injection wrote raw put_object)."""
+    bad = []
+    for path, tree in _sources().items():
+        if path.startswith("storage/") or path.startswith(S3_SERVER_SIDE):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in S3_REQUESTS:
+                bad.append(f"{path}:{node.lineno}: .{node.func.attr}(...)")
+    assert not bad, bad
+
+
+def test_controller_holds_no_job_side_code():
+    """The operator (`controller/`) builds the bucket Job but never does its work: no module
+    of it is the Job's code, talks S3 or imports the Job's S3 side; of `asyncgrpo.bucket` it
+    imports only `policy` (what operator and Job agree on)."""
+    bad = []
+    for path, names in imports_of("controller").items():
+        for name in names:
+            if name.startswith(("botocore", "asyncgrpo.storage", "asyncgrpo.bucket.")) \
+                    and name != "asyncgrpo.bucket.policy":
+                bad.append(f"{path} imports {name}")
+    for path, tree in _sources().items():
+        if not path.startswith("controller/"):
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module == "asyncgrpo.bucket":
+                bad += [f"{path} imports asyncgrpo.bucket.{a.name}" for a in n.names
+                        if a.name != "policy"]
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
+                    and n.func.attr in S3_REQUESTS:
+                bad.append(f"{path}:{n.lineno} sends an S3 request")
+    assert not bad, bad
+    # the Job's command, `asyncgrpo bucket`, runs a module outside the operator's package
+    commands = {k.value: v.value for node in ast.walk(ast.parse((PACKAGE / "cli.py").read_text()))
+                if isinstance(node, ast.Dict)
+                for k, v in zip(node.keys, node.values)
+                if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+    assert commands["bucket"] == "asyncgrpo.bucket.command", commands.get("bucket")
+    for name in imports_of("bucket").get("bucket/policy.py", set()):
+        assert not name.startswith(("boto", "asyncgrpo.storage")), name
+
+
+def test_adapters_and_weights_are_siblings_on_the_versioned_store():
+    """One versioned store (`storage.versions.VersionedStore`); adapters and weights are
+    kinds of it, neither built on the other, with no override silenced by a type: ignore."""
+    from asyncgrpo.adapters.store import AdapterStore
+    from asyncgrpo.storage.versions import VersionedStore
+    from asyncgrpo.weights.store import WeightStore
+
+    assert issubclass(AdapterStore, VersionedStore) and issubclass(WeightStore, VersionedStore)
+    assert not issubclass(WeightStore, AdapterStore) and not issubclass(AdapterStore, WeightStore)
+    for path, names in imports_of("weights").items():
+        assert "asyncgrpo.adapters.store" not in names, (path, names)
+    for folder in ("storage", "adapters", "weights"):
+        for p in sorted((PACKAGE / folder).rglob("*.py")):
+            assert "type: ignore[override]" not in p.read_text(), p

@@ -22,7 +22,7 @@ _COMMAND_MODULES: dict[str, str] = {
     "sandbox": "asyncgrpo.sandbox.commands",
     "gateway": "asyncgrpo.sandbox.commands",
     "operator": "asyncgrpo.controller.commands",
-    "bucket": "asyncgrpo.controller.bucket_commands",
+    "bucket": "asyncgrpo.bucket.command",
     "local": "asyncgrpo.local.commands",
     "weights": "asyncgrpo.weights.commands",
     "report": "asyncgrpo.report",

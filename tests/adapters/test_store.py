@@ -217,7 +217,7 @@ def test_retries_until_the_server_comes_up(s3_env, tmp_path):
 
 def test_large_files_go_through_the_transfer_manager(store, adapters, tmp_path, monkeypatch):
     """Files above the single-request size use boto3's multipart transfer; same result."""
-    import asyncgrpo.adapters.store as store_module
+    import asyncgrpo.storage.versions as store_module
 
     monkeypatch.setattr(store_module, "SINGLE_REQUEST_BYTES", 1000)
     store.client = RecordingClient(store.client)

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from asyncgrpo.api.v1alpha1 import AdapterStoreSpec
-from asyncgrpo.controller import bucket
+from asyncgrpo.bucket import folder as bucket
 
 
 def store(s3, **kw):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from asyncgrpo.api.v1alpha1 import AdapterStoreSpec
-from asyncgrpo.controller import bucket, network
+from asyncgrpo.bucket import policy as bucket
+from asyncgrpo.controller import network
 from tests.operator.test_builders import run_of
 
 METADATA = ["http://[fd00:ec2::254]", "http://[64:ff9b::a9fe:a9fe]",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncgrpo.api.validation import FieldError
-from asyncgrpo.controller.bucket import BucketError
+from asyncgrpo.bucket.policy import BucketError
 from asyncgrpo.controller.observe import Child, summarize
 from asyncgrpo.controller.progress import Progress, parse
 from asyncgrpo.controller.status import Observation, compute

@@ -93,6 +93,22 @@ def test_corrupt_file_is_refused_and_leaves_no_directory(store, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".got")] == []
 
 
+def test_fault_injection_overwrites_through_the_store_and_is_refused(store, tmp_path):
+    """The trainer's fault injection (`VersionedStore.overwrite`) goes through the storage
+    layer; the copy it leaves is refused with the weights' own error, which is storage's
+    VersionCorrupt and not the adapters' (siblings, neither built on the other)."""
+    from asyncgrpo.adapters.store import AdapterCorrupt
+    from asyncgrpo.storage.versions import VersionCorrupt
+
+    _publish(store, 1, _model(), tmp_path)
+    key = store.overwrite(1, "model.safetensors", b"corrupted")
+    assert key == store.version_prefix(1) + "model.safetensors"
+    with pytest.raises(WeightsCorrupt) as e:
+        store.fetch(1, tmp_path / "got")
+    assert isinstance(e.value, VersionCorrupt) and not isinstance(e.value, AdapterCorrupt)
+    assert not (tmp_path / "got").exists()
+
+
 @pytest.mark.parametrize("doc", [
     {"kind": "delta", "base": None, "anchor": 1},
     {"kind": "delta", "base": 5, "anchor": 1},   # base not before the version

@@ -95,9 +95,8 @@ def fetch_final_from_dir(store, s3_dir: Path, dest: Path):
         AdapterCorrupt,
         AdapterNotFound,
         parse_any_manifest,
-        replace_verified,
-        sha256_file,
     )
+    from asyncgrpo.storage.versions import replace_verified, sha256_file
 
     src = Path(s3_dir) / store.bucket / store.final_prefix
     if not (src / MANIFEST).is_file():

@@ -26,7 +26,8 @@ from typing import Any
 
 from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.controller import bucket, rbac
+from asyncgrpo.bucket import policy as bucket
+from asyncgrpo.controller import rbac
 from asyncgrpo.controller.common import (
     bucket_env,
     container_security,

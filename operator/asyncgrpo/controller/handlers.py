@@ -29,8 +29,8 @@ from kubernetes.client.exceptions import ApiException
 
 from asyncgrpo import API_GROUP, API_VERSION, PLURAL
 from asyncgrpo.api.validation import checkpoint_identity, validate_run
+from asyncgrpo.bucket import policy as bucket
 from asyncgrpo.controller import (
-    bucket,
     bucketjob,
     kube,
     observe,

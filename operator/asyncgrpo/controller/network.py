@@ -21,7 +21,8 @@ import ipaddress
 from typing import Any
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
-from asyncgrpo.controller import bucket, bucketjob, gateway, sandboxes, trainer, vllm
+from asyncgrpo.bucket import policy as bucket
+from asyncgrpo.controller import bucketjob, gateway, sandboxes, trainer, vllm
 from asyncgrpo.controller.common import COMPONENT_LABEL, metadata, name, selector, stamp
 from asyncgrpo.wire import GATEWAY_PORT, PULLER_PORT, SANDBOX_PORT, VLLM_PORT
 

@@ -33,8 +33,8 @@ from asyncgrpo.api.validation import (
     immutable_errors,
     validate_run,
 )
+from asyncgrpo.bucket import policy as bucket
 from asyncgrpo.controller import (
-    bucket,
     bucketjob,
     gateway,
     ownership,

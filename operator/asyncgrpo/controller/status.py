@@ -15,7 +15,7 @@ from typing import Any
 from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORunSpec
 from asyncgrpo.api.validation import FieldError
-from asyncgrpo.controller.bucket import BucketError
+from asyncgrpo.bucket.policy import BucketError
 from asyncgrpo.controller.gateway import COMPONENT as GATEWAY
 from asyncgrpo.controller.observe import Child, workload
 from asyncgrpo.controller.progress import Progress

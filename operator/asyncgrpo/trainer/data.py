@@ -197,9 +197,7 @@ def read_rows(spec, bucket=None, env: dict[str, str] | None = None, *, eval_set:
         if not is_object:
             raise DataError(f"{source}: no such object")
         if limit is not None and fmt == "jsonl":
-            body = _whole_lines(bucket.call("get", key, lambda: bucket.client.get_object(
-                Bucket=bucket.bucket, Key=key, Range=f"bytes=0-{HEAD_BYTES - 1}")["Body"].read()),
-                HEAD_BYTES)
+            body = _whole_lines(bucket.get_bytes(key, max_bytes=HEAD_BYTES), HEAD_BYTES)
         else:
             body = bucket.get_bytes(key)
         if fmt == "parquet":

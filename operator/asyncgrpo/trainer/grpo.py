@@ -338,8 +338,7 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
     def _corrupt(self, version: int, manifest) -> None:
         """Fault injection: overwrite the adapter weights of a complete version in the bucket."""
         rel = next(k for k in manifest.files if k.endswith(".safetensors"))
-        key = self._store.version_prefix(version) + rel
-        self._store.client.put_object(Bucket=self._store.bucket, Key=key, Body=b"corrupted")
+        key = self._store.overwrite(version, rel, b"corrupted")
         log.warning("fault injection: corrupted %s", self._store.url(key))
 
     def _trained_probe(self, model) -> list[float]:

@@ -179,6 +179,5 @@ class BucketWeightTransfer:
 
     def _corrupt(self, manifest: WeightsManifest) -> None:
         rel = next(k for k in manifest.files if k.endswith(".safetensors"))
-        key = self.store.version_prefix(manifest.version) + rel
-        self.store.client.put_object(Bucket=self.store.bucket, Key=key, Body=b"corrupted")
+        key = self.store.overwrite(manifest.version, rel, b"corrupted")
         log.warning("fault injection: corrupted %s", self.store.url(key))

@@ -45,7 +45,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from asyncgrpo.adapters.store import AdapterStoreError, StoreUnavailable
+from asyncgrpo.storage import StoreError, StoreUnavailable
 from asyncgrpo.weights.format import DELTA_FILE, DeltaMismatch, apply_deltas
 from asyncgrpo.weights.shards import assemble_anchor
 from asyncgrpo.weights.store import (
@@ -271,7 +271,7 @@ class Puller:
         """Catch up once; True when a new version is being served after it."""
         try:
             latest = self.store.latest()
-        except AdapterStoreError as err:
+        except StoreError as err:
             self.errors += 1
             log.warning("weights: cannot list the bucket: %s", err)
             return False
@@ -323,7 +323,7 @@ class Puller:
                 self.refused[target] = str(err)[:300]
                 log.error("weights v%d refused: no usable chain: %s", target, err)
                 continue
-            except AdapterStoreError as err:
+            except StoreError as err:
                 self.errors += 1
                 log.warning("weights: chain to v%d not read: %s", target, err)
                 return applied
@@ -338,7 +338,7 @@ class Puller:
                     break
                 except StoreUnavailable:
                     raise
-                except AdapterStoreError as err:
+                except StoreError as err:
                     self.errors += 1
                     log.warning("weights v%d not fetched: %s", m.version, err)
                     return applied
@@ -388,7 +388,7 @@ class Puller:
         if manifest is None or manifest.version != version:
             try:
                 manifest = self.store.manifest(version)
-            except AdapterStoreError:
+            except StoreError:
                 manifest = None
         if self.probe and manifest is not None and "probe" in manifest.extra:
             record.update(self._probe(manifest.extra["probe"]))

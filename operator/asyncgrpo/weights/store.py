@@ -10,9 +10,10 @@ its weights live beside its adapters)::
     ...
     <run folder>/weights/v{K+1}/model.safetensors        next anchor
 
-The adapter store's invariants hold here too (its transport, retries and error types are
-reused): a version exists once its manifest exists, versions are immutable, deletion removes
-the manifest first, every file is checked against the manifest's size and sha256 before use.
+The versioned store's invariants hold here too (`asyncgrpo.storage.versions.VersionedStore`,
+the adapter store's sibling): a version exists once its manifest exists, versions are
+immutable, deletion removes the manifest first, every file is checked against the
+manifest's size and sha256 before use.
 On top of them:
 
 * A delta's manifest names its ``base`` (the version it applies to, always the one published
@@ -28,19 +29,20 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.adapters.store import (
-    MANIFEST,
-    AdapterCorrupt,
-    AdapterIncomplete,
-    AdapterNotFound,
-    AdapterStore,
-    AdapterVersionExists,
+from asyncgrpo.storage.versions import (
     FileEntry,
-    _check_relpath,
+    VersionCorrupt,
+    VersionedStore,
+    VersionExists,
+    VersionIncomplete,
+    VersionNotFound,
+    check_relpath,
+    created_now,
+    local_files,
+    manifest_json,
     parse_files,
     replace_verified,
 )
@@ -60,11 +62,21 @@ DEFAULT_ANCHOR_INTERVAL = 10
 #: rank: fetched one after another, a replica's link would wait on one S3 stream at a time).
 DEFAULT_DOWNLOAD_CONCURRENCY = 8
 
-# The adapter store's error types, under the names readers of this module expect.
-WeightsCorrupt = AdapterCorrupt
-WeightsIncomplete = AdapterIncomplete
-WeightsNotFound = AdapterNotFound
-WeightsVersionExists = AdapterVersionExists
+
+class WeightsNotFound(VersionNotFound):
+    """No object at all exists for this version."""
+
+
+class WeightsIncomplete(VersionIncomplete):
+    """Files exist for this version but no manifest (or a rank's file did not land)."""
+
+
+class WeightsCorrupt(VersionCorrupt):
+    """The manifest is invalid, or a file is missing, has the wrong size or sha256."""
+
+
+class WeightsVersionExists(VersionExists):
+    """A complete version is never overwritten (replicas may already serve it)."""
 
 
 @dataclass(frozen=True)
@@ -103,13 +115,11 @@ class WeightsManifest:
         doc = {
             "format": self.format, "run": self.run, "version": self.version, "step": self.step,
             "kind": self.kind, "base": self.base, "anchor": self.anchor, "dtype": self.dtype,
-            "created": self.created,
-            "files": {k: {"sha256": v.sha256, "size": v.size} for k, v in sorted(self.files.items())},
-            "extra": self.extra,
+            "created": self.created, "extra": self.extra,
         }
         if self.shards is not None:
             doc["shards"] = self.shards
-        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+        return manifest_json(doc, self.files)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "manifest") -> WeightsManifest:
@@ -158,69 +168,37 @@ def _check_shards(shards: dict, files: dict, kind: str) -> None:
         if not tensors:
             raise ValueError("shards: an anchor without tensors")
         for name, t in tensors.items():
-            _check_relpath(name.replace(".", "/"))  # no path tricks in names either
+            check_relpath(name.replace(".", "/"))  # no path tricks in names either
             if any(p[0] not in files for p in t["pieces"]):
                 raise ValueError(f"shards: {name} names a file outside the version")
             check_cover(name, t)
 
 
-class WeightStore(AdapterStore):
-    """Publish, list, fetch and prune the weight versions of one run.
-
-    Built on :class:`AdapterStore` for its S3 transport (retries, error classification,
-    verified downloads, complete versions); only the key space and the manifest differ.
-    """
+class WeightStore(VersionedStore[WeightsManifest]):
+    """Publish, list, fetch and prune the weight versions of one run: the adapter store's
+    sibling on `asyncgrpo.storage.versions.VersionedStore` (transport, retries, verified
+    downloads, complete versions, ``final/``); only the key space and the manifest differ.
+    The files of one version are fetched ``download_concurrency`` at a time (default 8)."""
 
     FOLDER = "weights"
+    DOWNLOAD_CONCURRENCY = DEFAULT_DOWNLOAD_CONCURRENCY
+    NotFound = WeightsNotFound
+    Incomplete = WeightsIncomplete
+    Corrupt = WeightsCorrupt
+    Exists = WeightsVersionExists
 
-    def __init__(self, *args, download_concurrency: int = DEFAULT_DOWNLOAD_CONCURRENCY,
-                 **kwargs):
-        super().__init__(*args, **kwargs)
-        #: files of one version fetched at once (each checked as it lands, as one by one)
-        self.download_concurrency = max(1, int(download_concurrency))
-
-    def name(self, version: int) -> str:
-        return f"weights v{int(version)}"
-
-    def _download_verified(self, version: int, manifest, into: Path,  # type: ignore[override]
-                           vprefix: str | None = None) -> None:
-        """Every file of the version, ``download_concurrency`` at a time (the rank files of a
-        sharded version in parallel); the first failure is raised once the others stopped."""
-        vprefix = self.version_prefix(version) if vprefix is None else vprefix
-        items = sorted(manifest.files.items())
-        workers = min(self.download_concurrency, len(items))
-        if workers <= 1:
-            for rel, entry in items:
-                self._download_file(version, vprefix, rel, entry, into)
-            return
-        from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-
-        with ThreadPoolExecutor(workers, thread_name_prefix="weights-get") as pool:
-            futures = [pool.submit(self._download_file, version, vprefix, rel, entry, into)
-                       for rel, entry in items]
-            wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:
-                for f in futures:
-                    f.cancel()  # files not started yet are not fetched at all
-                wait(futures)
-                raise failed[0].exception()
+    def parse_manifest(self, body: bytes, where: str) -> WeightsManifest:
+        return WeightsManifest.from_json(body, where=where)
 
     # -- reading -----------------------------------------------------------------------------
 
-    def manifest(self, version: int) -> WeightsManifest:  # type: ignore[override]
-        body, key = self._manifest_body(version)
-        m = WeightsManifest.from_json(body, where=self.url(key))
-        if m.version != int(version):
-            raise WeightsCorrupt(f"{self.url(key)} says version {m.version}, expected {version}")
-        return m
-
-    def fetch(self, version: int, dest: str | Path,  # type: ignore[override]
+    def fetch(self, version: int, dest: str | Path,
               manifest: WeightsManifest | None = None) -> tuple[Path, WeightsManifest]:
-        """Download a complete version into ``dest``, verified (sizes, sha256) before it appears."""
+        """Download a complete version into ``dest``, verified (sizes, sha256) before it
+        appears; an existing ``dest`` is replaced."""
         manifest = manifest or self.manifest(version)
         return replace_verified(Path(dest), manifest,
-                                lambda tmp: self._download_verified(version, manifest, tmp))
+                                lambda tmp: self.download_verified(version, manifest, tmp))
 
     def plan(self, have: int | None, latest: int) -> list[WeightsManifest]:
         """The versions to apply, in order, to go from a local copy at ``have`` (None: no
@@ -257,20 +235,16 @@ class WeightStore(AdapterStore):
         local_dir, version = Path(local_dir), int(version)
         if version < 1:
             raise ValueError(f"versions start at 1, got {version}")
-        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-        rels = [p.relative_to(local_dir).as_posix() for p in files]
-        for rel in rels:
-            _check_relpath(rel)
-        vprefix = self._claim(version)
-        entries = self._upload_files(local_dir, files, rels, vprefix)
+        files, rels = local_files(local_dir)
+        vprefix = self.claim(version)
+        entries = self.upload_files(local_dir, files, rels, vprefix)
         manifest = WeightsManifest(
             run=self.run, version=version, step=int(step), kind=kind, base=base,
             anchor=version if kind == ANCHOR else int(anchor if anchor is not None else -1),
-            dtype=dtype, files=entries, created=datetime.now(UTC).isoformat(timespec="seconds"),
+            dtype=dtype, files=entries, created=created_now(),
             extra=dict(extra or {}))
         WeightsManifest.from_json(manifest.to_json(), where="new manifest")  # same rules as readers
-        self.objects.put_bytes(vprefix + MANIFEST, manifest.to_json().encode(),
-                               content_type="application/json")
+        self.put_manifest(vprefix, manifest)
         log.info("published %s (%s, %d files, %d bytes) to %s", self.name(version), kind,
                  len(entries), manifest.total_bytes, self.url(vprefix))
         return manifest
@@ -279,15 +253,8 @@ class WeightStore(AdapterStore):
         """One trainer rank's files of a sharded version (no manifest: rank 0 writes it once
         every rank's files are in the bucket, :meth:`publish_sharded_manifest`)."""
         local_dir = Path(local_dir)
-        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-        rels = [p.relative_to(local_dir).as_posix() for p in files]
-        for rel in rels:
-            _check_relpath(rel)
-        return self._upload_files(local_dir, files, rels, self.version_prefix(int(version)))
-
-    def claim(self, version: int) -> None:
-        """Raise :class:`WeightsVersionExists` if ``version`` is complete already."""
-        self._claim(int(version))
+        files, rels = local_files(local_dir)
+        return self.upload_files(local_dir, files, rels, self.version_prefix(int(version)))
 
     def publish_sharded_manifest(self, version: int, *, kind: str, step: int, dtype: str,
                                  files: dict[str, FileEntry], shards: dict,
@@ -297,11 +264,11 @@ class WeightStore(AdapterStore):
         file is checked to be in the bucket with its size first (a rank's upload that did not
         land leaves the version without a manifest, i.e. absent)."""
         version = int(version)
-        vprefix = self._claim(version)
+        vprefix = self.claim(version)
         manifest = WeightsManifest(
             run=self.run, version=version, step=int(step), kind=kind, base=base,
             anchor=version if kind == ANCHOR else int(anchor if anchor is not None else -1),
-            dtype=dtype, files=dict(files), created=datetime.now(UTC).isoformat(timespec="seconds"),
+            dtype=dtype, files=dict(files), created=created_now(),
             extra=dict(extra or {}), format=WEIGHTS_FORMAT_SHARDED, shards=shards)
         WeightsManifest.from_json(manifest.to_json(), where="new manifest")  # same rules as readers
         present = self.objects.list(vprefix)  # one listing, not a request per file
@@ -310,8 +277,7 @@ class WeightStore(AdapterStore):
                 raise WeightsIncomplete(f"{self.url(vprefix + rel)} has "
                                         f"{present.get(vprefix + rel)} bytes, its rank uploaded "
                                         f"{entry.size}: no manifest")
-        self.objects.put_bytes(vprefix + MANIFEST, manifest.to_json().encode(),
-                               content_type="application/json")
+        self.put_manifest(vprefix, manifest)
         log.info("published %s (%s, sharded over %d ranks, %d files, %d bytes) to %s",
                  self.name(version), kind, shards["world"], len(files), manifest.total_bytes,
                  self.url(vprefix))

@@ -1,19 +1,18 @@
-"""The one S3 layer: the client, retries, keys under the run's folder, and complete versions.
-
-Everything the trainer, vLLM's resolver plugin and the weights puller keep in the run's bucket
-goes through here: adapters (`asyncgrpo.adapters.store`), full weights
-(`asyncgrpo.weights.store`), checkpoints (`asyncgrpo.trainer.checkpoint`) and prompt data.
-The operator's bucket setup and cleanup (`asyncgrpo.controller.bucket`) can use it too.
+"""The S3 part of `asyncgrpo.storage`: the client, retries, keys under one root, complete
+versions. Every S3 request of the project goes through here (tests/test_layers.py).
 
 * `client`: a boto3 client with botocore's own retries off, so `Bucket`'s attempts bound
   how long a caller can be held, and path-style addressing (MinIO, Ceph, moto).
 * `retry`: exponential backoff with jitter on transient errors (connection refused,
   timeouts, 5xx, throttling); the last failure becomes `gave_up` (StoreUnavailable by
   default; a caller retrying something else names its own type).
-* `Bucket`: keys under one root (`asyncgrpo.api.layout.run_folder`), every call retried;
-  a permanent S3 error becomes StoreRequestError. Messages name `s3://bucket/key` and the
-  S3 error code, never the endpoint or credentials: they travel into logs, status
-  conditions and, through the resolver, toward clients.
+* `Bucket`: keys under one root (`asyncgrpo.api.layout.run_folder`, or "" for the whole
+  bucket), every call retried; a permanent S3 error becomes StoreRequestError. Every
+  StoreError carries the S3 error code, HTTP status and the root cause's type
+  (`code`, `status`, `cause`) for callers that map them to reasons of their own (the
+  bucket Job, `asyncgrpo.bucket`). Messages name `s3://bucket/key` and the S3 error code,
+  never the endpoint or credentials: they travel into logs, status conditions and, through
+  the resolver, toward clients.
 * `CompleteVersions`: numbered sub-folders each marked complete by one object written last
   (an adapter's `manifest.json`, a checkpoint's `COMPLETE`): a writer killed mid-upload
   leaves a partial version nobody reads; deletion removes the marker first, so a version
@@ -36,11 +35,28 @@ _T = TypeVar("_T")
 #: S3 error codes that say "try again" whatever the HTTP status
 _TRANSIENT_CODES = ("SlowDown", "Throttling", "RequestTimeout", "InternalError",
                     "ServiceUnavailable")
-_MISSING_CODES = ("404", "NoSuchKey", "NotFound")
+#: S3 error codes that say "there is no such key" (the one list: `is_missing`)
+MISSING_CODES = ("404", "NoSuchKey", "NotFound")
 
 
 class StoreError(Exception):
-    """Base of every error the bucket layer raises."""
+    """Base of every error the bucket layer raises.
+
+    `code`, `status` and `cause`: the S3 error code, the HTTP status and the type name of
+    the root cause of the failure that became this error ("" / 0 when not known)."""
+
+    code: str = ""
+    status: int = 0
+    cause: str = ""
+
+    @classmethod
+    def of(cls, message: str, err: BaseException | None) -> StoreError:
+        """An error of this type about `err` (its code, status and cause recorded)."""
+        out = cls(message)
+        if err is not None:
+            out.code, out.status = error_code(err)[0], http_status(err)
+            out.cause = type(root_cause(err)).__name__
+        return out
 
 
 class StoreUnavailable(StoreError):
@@ -99,6 +115,27 @@ def error_code(err: BaseException) -> tuple[str, str]:
     return "", ""
 
 
+def http_status(err: BaseException) -> int:
+    """The HTTP status of a ClientError under err, or 0."""
+    from botocore.exceptions import ClientError
+
+    err = root_cause(err)
+    if isinstance(err, ClientError):
+        return int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return 0
+
+
+def is_missing(err: BaseException) -> bool:
+    """Whether S3 said there is no such key (or bucket, for a HEAD)."""
+    code = err.code if isinstance(err, StoreError) else error_code(err)[0]
+    return code in MISSING_CODES
+
+
+def is_boto(err: BaseException) -> bool:
+    """Whether err is (or wraps) an error of boto3 or botocore."""
+    return type(root_cause(err)).__module__.startswith(("botocore", "boto3"))
+
+
 def retry(what: str, fn: Callable[[], _T], *, attempts: int | None = 8, backoff_s: float = 1.0,
           max_backoff_s: float = 30.0, transient: Callable[[BaseException], bool] = is_transient,
           on_retry: Callable[[str, BaseException], None] | None = None,
@@ -121,8 +158,10 @@ def retry(what: str, fn: Callable[[], _T], *, attempts: int | None = 8, backoff_
                 on_retry(what, err)
             if attempts is not None and attempt >= attempts:
                 cause = error_code(err)[0] or type(root_cause(err)).__name__
-                raise gave_up(f"{what}: unreachable after {attempts} attempts "
-                              f"({cause})") from None
+                message = f"{what}: unreachable after {attempts} attempts ({cause})"
+                if issubclass(gave_up, StoreError):
+                    raise gave_up.of(message, err) from None
+                raise gave_up(message) from None
             sleep = min(delay, max_backoff_s) * (0.5 + random.random() / 2)
             log.warning("%s failed (%s); retry %d%s in %.1fs", what, type(err).__name__,
                         attempt, "" if attempts is None else f"/{attempts - 1}", sleep)
@@ -157,7 +196,7 @@ def _unless_missing(fn: Callable[[], _T], missing: _T) -> Callable[[], _T]:
         try:
             return fn()
         except Exception as err:
-            if error_code(err)[0] in _MISSING_CODES:
+            if is_missing(err):
                 return missing
             raise
 
@@ -199,44 +238,84 @@ class Bucket:
         except Exception as err:
             code, msg = error_code(err)
             if code:
-                raise StoreRequestError(f"{where} failed: {code}: {msg}") from None
-            cause = root_cause(err)
-            if type(cause).__module__.startswith(("botocore", "boto3")):
-                raise StoreRequestError(f"{where} failed: {type(cause).__name__}") from None
+                raise StoreRequestError.of(f"{where} failed: {code}: {msg}", err) from None
+            if is_boto(err):
+                raise StoreRequestError.of(f"{where} failed: {type(root_cause(err)).__name__}",
+                                           err) from None
             raise
 
     def list(self, prefix: str) -> dict[str, int]:
         """key -> size of every key under prefix (absolute keys, paginated)."""
+        return {o["Key"]: int(o["Size"]) for o in self.listing(prefix)}
 
-        def run() -> dict[str, int]:
-            out, token = {}, None
+    def listing(self, prefix: str, limit: int | None = None) -> list[dict[str, Any]]:
+        """S3's entries (Key, Size, LastModified, ...) of the keys under prefix, in key
+        order; every page, or the first `limit` keys (one request)."""
+
+        def run() -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            token = None
             while True:
-                kw = {"Bucket": self.bucket, "Prefix": prefix}
+                kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
                 if token:
                     kw["ContinuationToken"] = token
+                if limit is not None:
+                    kw["MaxKeys"] = limit
                 resp = self.client.list_objects_v2(**kw)
-                out.update({o["Key"]: int(o["Size"]) for o in resp.get("Contents", [])})
-                if not resp.get("IsTruncated"):
+                out.extend(resp.get("Contents", []))
+                if limit is not None or not resp.get("IsTruncated"):
                     return out
                 token = resp["NextContinuationToken"]
 
         return self.call("list", prefix, run)
 
+    def probe(self) -> None:
+        """HEAD of the bucket itself: raises (StoreRequestError with code "404" when there is
+        no such bucket)."""
+        self.call("head", "", lambda: self.client.head_bucket(Bucket=self.bucket))
+
+    def create(self, region: str | None) -> None:
+        """Create the bucket (in `region`; us-east-1 takes no location constraint)."""
+        kw: dict[str, Any] = {"Bucket": self.bucket}
+        if region and region != "us-east-1":
+            kw["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        self.call("create", "", lambda: self.client.create_bucket(**kw))
+
     def exists(self, key: str) -> bool:
         return self.call("head", key, _unless_missing(
             lambda: self.client.head_object(Bucket=self.bucket, Key=key) and True, False))
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes; with `max_bytes`, only its first ones (one ranged GET)."""
+        extra = {} if max_bytes is None else {"Range": f"bytes=0-{max_bytes - 1}"}
         return self.call("get", key, lambda: self.client.get_object(
-            Bucket=self.bucket, Key=key)["Body"].read())
+            Bucket=self.bucket, Key=key, **extra)["Body"].read())
 
     def get_or_none(self, key: str) -> bytes | None:
         """The object's bytes, or None when there is no such key."""
         return self.call("get", key, _unless_missing(lambda: self.client.get_object(
             Bucket=self.bucket, Key=key)["Body"].read(), None))
 
-    def put_bytes(self, key: str, body: bytes, content_type: str | None = None) -> None:
+    def get_tagged(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
+        """(the object's bytes, at most `limit` of them, and its ETag), or None when there is
+        no such key."""
+
+        def run() -> tuple[bytes, str]:
+            got = self.client.get_object(Bucket=self.bucket, Key=key)
+            body = got["Body"].read() if limit is None else got["Body"].read(limit)
+            return body, str(got.get("ETag") or "")
+
+        return self.call("get", key, _unless_missing(run, None))
+
+    def put_bytes(self, key: str, body: bytes, content_type: str | None = None, *,
+                  if_none_match: str | None = None, if_match: str | None = None) -> None:
+        """One PUT; `if_none_match="*"` (only where no object is) or `if_match=<ETag>` make
+        it conditional (a lost race is StoreRequestError with code PreconditionFailed)."""
         extra = {"ContentType": content_type} if content_type else {}
+        if if_none_match is not None:
+            extra["IfNoneMatch"] = if_none_match
+        if if_match is not None:
+            extra["IfMatch"] = if_match
         self.call("put", key, lambda: self.client.put_object(
             Bucket=self.bucket, Key=key, Body=body, **extra))
 
@@ -249,6 +328,10 @@ class Bucket:
         path.parent.mkdir(parents=True, exist_ok=True)
         return self.call("get", key, _unless_missing(
             lambda: self.client.download_file(self.bucket, key, str(path)) or True, False))
+
+    def delete_one(self, key: str) -> None:
+        """One DELETE (no error for a missing key)."""
+        self.call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
 
     def delete(self, keys: list[str]) -> None:
         for batch in _chunks(keys, 1000):

@@ -1,11 +1,13 @@
-"""The run's S3 bucket and run folder: set up (bucket created if missing, ownership marker
-written) and, on deletion with deletionPolicy Delete, emptied of the run's own objects.
+"""The bucket Job's work: the run's S3 bucket and run folder set up (bucket created if
+missing, ownership marker written) and, on deletion with deletionPolicy Delete, emptied of
+the run's own objects. Every S3 request goes through `asyncgrpo.storage` (one attempt
+each, short timeouts: the operator retries the Job).
 
-Every failure becomes a `BucketError` with a reason a user can act on (SecretNotFound,
-BadCredentials, BucketNotFound, EndpointNotAllowed...) and a message that names the bucket
-and the S3 error code, never the credentials or the endpoint. Nothing here raises anything
-else on bad input: a malformed endpoint or region, a Secret value that is not UTF-8 all
-become a BucketError.
+Every failure becomes a `BucketError` (`asyncgrpo.bucket.policy`) with a reason a user can
+act on (SecretNotFound, BadCredentials, BucketNotFound, EndpointNotAllowed...) and a message
+that names the bucket and the S3 error code, never the credentials or the endpoint. Nothing
+here raises anything else on bad input: a malformed endpoint or region, a Secret value that
+is not UTF-8 all become a BucketError.
 
 Tenancy (see docs/security.md): the run folder is `asyncgrpo.api.layout.run_folder`
 (`<prefix>/<namespace>/<name>/`). Setup writes an ownership marker holding the run's uid and
@@ -15,36 +17,31 @@ marker.
 
 Where this runs (docs/security.md): only in the run's own pods, never in the operator. The
 operator creates a Job in the run's namespace (`controller.bucketjob`) whose container runs
-`asyncgrpo bucket setup|cleanup` (`controller.bucket_commands`) as the run's ServiceAccount,
+`asyncgrpo bucket setup|cleanup` (`asyncgrpo.bucket.command`) as the run's ServiceAccount,
 with the run's credentials Secret as env; the operator reads neither the Secret nor the
 bucket, so a tenant can make it sign nothing and send nothing.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import socket
-import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError
-
+from asyncgrpo import storage
 from asyncgrpo.api import layout
 from asyncgrpo.api.v1alpha1 import AdapterStoreSpec
+from asyncgrpo.bucket.policy import (  # noqa: F401  (re-exported: the Job's whole surface)
+    BucketError,
+    Owner,
+    check_endpoint,
+    metadata_excepts,
+    run_folder,
+)
 
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
                     "ExpiredToken", "AuthorizationHeaderMalformed"}
-
-
-class BucketError(Exception):
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -86,133 +83,37 @@ def credentials_from_env(env: Mapping[str, str]) -> Credentials | None:
 TIMEOUT_SECONDS = 3.0
 
 
-#: Cloud metadata (and host agent) servers outside 169.254.0.0/16 and fe80::/10: AWS's IPv6
-#: one (fd00:ec2::254), GCP's IPv6 one (fd20:ce::254), Oracle Cloud's IPv6 one
-#: (fd00:c1::a9fe:a9fe), Alibaba's (100.100.100.200) and Azure's WireServer
-#: (168.63.129.16). GCP, Azure, OpenStack, DigitalOcean, Hetzner and Tencent serve theirs
-#: on 169.254/16 (Tencent: 169.254.0.23). The Jobs' NetworkPolicy excepts them all
-#: (`metadata_excepts`).
-METADATA_NETWORKS = (ipaddress.ip_network("fd00:ec2::254/128"),
-                     ipaddress.ip_network("fd20:ce::254/128"),
-                     ipaddress.ip_network("fd00:c1::a9fe:a9fe/128"),
-                     ipaddress.ip_network("100.100.100.200/32"),
-                     ipaddress.ip_network("168.63.129.16/32"))
-_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
-#: NAT64 (64:ff9b::/96) carries an IPv4 address in its last 32 bits.
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-
-
-def metadata_excepts() -> tuple[list[str], list[str]]:
-    """(IPv4, IPv6) CIDRs a NetworkPolicy must except to close every metadata address in
-    every spelling `is_metadata_address` refuses: the IPv4 ones also as NAT64
-    (64:ff9b::a.b.c.d) and IPv4-compatible (::a.b.c.d) IPv6. IPv4-mapped ::ffff:a.b.c.d is
-    IPv4 on the wire (and the API server refuses it as an IPv6 except)."""
-    v4 = [n for n in _LINK_LOCAL + METADATA_NETWORKS if n.version == 4]
-    v6 = [str(n) for n in _LINK_LOCAL + METADATA_NETWORKS if n.version == 6]
-    for n in v4:
-        for base in (int(_NAT64.network_address), 0):
-            v6.append(str(ipaddress.IPv6Network((base + int(n.network_address),
-                                                 96 + n.prefixlen))))
-    return [str(n) for n in v4], v6
-
-
-def is_metadata_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Link-local, unspecified, multicast or a known metadata address, in any spelling an
-    IPv6 address can carry an IPv4 one (mapped ::ffff:a.b.c.d, compatible ::a.b.c.d, NAT64
-    64:ff9b::a.b.c.d)."""
-    if ip.is_link_local or ip.is_unspecified or ip.is_multicast or \
-            any(ip in n for n in METADATA_NETWORKS if n.version == ip.version):
-        return True
-    if ip.version == 6:
-        inner = None
-        if ip.ipv4_mapped is not None:
-            inner = ip.ipv4_mapped
-        elif ip in _NAT64 or int(ip) >> 32 == 0:   # NAT64 or IPv4-compatible (::a.b.c.d)
-            inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        if inner is not None and int(inner) > 1 and is_metadata_address(inner):
-            return True
-    return False
-
-
-def check_endpoint(store: AdapterStoreSpec, allowlist: Iterable[str] = (),
-                   resolve: bool = True) -> None:
-    """Refuse an endpoint the cluster admin did not allow, before any request is sent.
-
-    `allowlist` holds endpoint URLs ("https://minio.storage:9000") or host names; empty allows
-    any host except link-local (169.254.0.0/16, fe80::/10, cloud metadata) and unspecified
-    addresses, which are refused unless listed explicitly. With `resolve`, host names are
-    resolved, so a name pointing at a metadata address is refused too: the Job does that from
-    the run's own pod; the operator checks without resolving (no DNS query for a tenant's
-    name from its network position), so only an address literal is refused there.
-    """
-    allow = [a.rstrip("/") for a in allowlist if a]
-    endpoint = store.endpoint
-    if not endpoint:
-        if allow and not any(a in ("aws", "s3.amazonaws.com") for a in allow):
-            raise BucketError("EndpointNotAllowed", "AWS S3 (no spec.adapterStore.endpoint) "
-                              "is not in the operator's endpoint allowlist")
-        return
-    try:
-        url = urllib.parse.urlsplit(endpoint)
-        host, port = url.hostname, url.port
-    except ValueError:
-        host = port = None
-    if url.scheme not in ("http", "https") or not host or url.username or url.password \
-            or url.query or url.fragment:
-        raise BucketError("InvalidEndpoint", "spec.adapterStore.endpoint must be "
-                          "http(s)://host[:port][/path] with a host and no credentials")
-    if allow:
-        if endpoint.rstrip("/") in allow or host in allow:
-            return
-        raise BucketError("EndpointNotAllowed", "spec.adapterStore.endpoint is not in the "
-                          "operator's endpoint allowlist (Helm value adapterStore."
-                          "allowedEndpoints)")
-    if not resolve:
-        try:
-            addrs = {str(ipaddress.ip_address(host))}
-        except ValueError:   # a name: resolved (and checked) by the Job
-            return
-    else:
-        try:
-            addrs = {ai[4][0] for ai in socket.getaddrinfo(host, port or 443,
-                                                           type=socket.SOCK_STREAM)}
-        except (OSError, UnicodeError):
-            raise BucketError("EndpointUnreachable", "spec.adapterStore.endpoint: its "
-                              "host name does not resolve") from None
-    for addr in addrs:
-        if is_metadata_address(ipaddress.ip_address(addr.split("%")[0])):
-            raise BucketError("EndpointNotAllowed", "spec.adapterStore.endpoint resolves to "
-                              "a link-local or metadata address; the operator refuses it "
-                              "unless the cluster admin lists it in adapterStore."
-                              "allowedEndpoints")
-
-
 def client(store: AdapterStoreSpec, creds: Credentials | None,
            timeout: float = TIMEOUT_SECONDS):
     """An S3 client signed with the run's keys, or (None) with boto3's chain: the identity of
     the pod this runs in, which is always one of the run's own (the bucket Job)."""
-    from asyncgrpo import storage
-
     keys = None if creds is None else (creds.access_key_id, creds.secret_access_key)
     try:
         return storage.client(store.endpoint, store.region, connect_timeout_s=timeout,
                               read_timeout_s=timeout, keys=keys)
-    except (ValueError, BotoCoreError) as e:  # bad endpoint URL or region name
+    except Exception as e:  # bad endpoint URL or region name
+        if not isinstance(e, ValueError) and not storage.is_boto(e):
+            raise
         raise BucketError("InvalidEndpoint", "spec.adapterStore endpoint or region is "
                           f"malformed ({type(e).__name__})") from None
 
 
-def _classify(err: Exception, store: AdapterStoreSpec, action: str) -> BucketError:
-    from botocore.exceptions import (
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        NoCredentialsError,
-        ReadTimeoutError,
-    )
+def _objects(store: AdapterStoreSpec, creds: Credentials | None) -> storage.Bucket:
+    """The whole bucket (absolute keys), one attempt per request: a failure ends the Job,
+    whose next run the operator schedules."""
+    return storage.Bucket(store.bucket, "", client(store, creds), attempts=1)
 
-    if isinstance(err, ClientError):
-        code = str(err.response.get("Error", {}).get("Code", "Unknown"))
-        status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+#: S3 failures the Job maps to a reason: storage's errors (code, status, cause) and the
+#: local ones boto3 raises as they are (a file, a bad value).
+_FAILURES = (storage.StoreError, OSError, ValueError)
+
+
+def _classify(err: Exception, store: AdapterStoreSpec, action: str) -> BucketError:
+    code = err.code if isinstance(err, storage.StoreError) else ""
+    status = err.status if isinstance(err, storage.StoreError) else 0
+    cause = err.cause if isinstance(err, storage.StoreError) and err.cause else type(err).__name__
+    if code:
         if code in _BAD_CREDENTIALS:
             return BucketError("BadCredentials", f"{action} bucket {store.bucket!r}: the "
                                f"credentials were refused ({code})")
@@ -224,15 +125,15 @@ def _classify(err: Exception, store: AdapterStoreSpec, action: str) -> BucketErr
             return BucketError("BucketNotFound", f"bucket {store.bucket!r} does not exist and "
                                "spec.adapterStore.createBucket is false")
         return BucketError("BucketError", f"{action} bucket {store.bucket!r}: S3 error {code}")
-    if isinstance(err, NoCredentialsError):
+    if cause == "NoCredentialsError":
         return BucketError("NoCredentials", "no S3 credentials: set spec.adapterStore."
                            "credentialsSecret, or give the run's ServiceAccount "
                            "(<run>-workload) a cloud identity")
-    if isinstance(err, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError)):
+    if cause in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError"):
         return BucketError("EndpointUnreachable", f"{action} bucket {store.bucket!r}: the S3 "
                            "endpoint (spec.adapterStore.endpoint) is unreachable or did not "
                            "answer in time")
-    return BucketError("BucketError", f"{action} bucket {store.bucket!r}: {type(err).__name__}")
+    return BucketError("BucketError", f"{action} bucket {store.bucket!r}: {cause}")
 
 
 def _safe(store: AdapterStoreSpec, action: str, fn):
@@ -241,57 +142,36 @@ def _safe(store: AdapterStoreSpec, action: str, fn):
         return fn()
     except BucketError:
         raise
-    except (BotoCoreError, ClientError, OSError, ValueError) as err:
+    except _FAILURES as err:
         raise _classify(err, store, action) from None
 
 
 def ensure_bucket(store: AdapterStoreSpec, creds: Credentials | None) -> bool:
     """Make sure the bucket exists; True if this call created it."""
-    s3 = client(store, creds)
+    s3 = _objects(store, creds)
     try:
-        s3.head_bucket(Bucket=store.bucket)
+        s3.probe()
         return False
-    except (BotoCoreError, ClientError, OSError, ValueError) as err:
+    except _FAILURES as err:
         missing = _classify(err, store, "checking")
         if missing.reason != "BucketNotFound" or not store.create_bucket:
             raise missing from None
     try:
-        kw: dict[str, Any] = {"Bucket": store.bucket}
-        if store.region != "us-east-1":
-            kw["CreateBucketConfiguration"] = {"LocationConstraint": store.region}
-        s3.create_bucket(**kw)
+        s3.create(store.region)
         return True
-    except (BotoCoreError, ClientError, OSError, ValueError) as err:
-        code = getattr(err, "response", {}).get("Error", {}).get("Code")
-        if code in ("BucketAlreadyOwnedByYou",):
+    except _FAILURES as err:
+        if getattr(err, "code", "") in ("BucketAlreadyOwnedByYou",):
             return False
         raise _classify(err, store, "creating") from None
 
 
-@dataclass(frozen=True)
-class Owner:
-    """The run a folder belongs to, as written in its marker."""
-
-    namespace: str
-    name: str
-    uid: str
-
-    def marker(self) -> bytes:
-        return json.dumps({"namespace": self.namespace, "name": self.name, "uid": self.uid,
-                           "writer": "asyncgrpo bucket setup"}).encode()
-
-
-def _read_marker(s3, store: AdapterStoreSpec, key: str) -> str | None:
+def _read_marker(s3: storage.Bucket, key: str) -> str | None:
     """The uid in the marker at `key`, None when there is none ("" when unreadable)."""
+    got = s3.get_tagged(key, limit=4096)
+    if got is None:
+        return None
     try:
-        body = s3.get_object(Bucket=store.bucket, Key=key)["Body"].read(4096)
-    except ClientError as err:
-        code = str(err.response.get("Error", {}).get("Code"))
-        if code in ("NoSuchKey", "404"):
-            return None
-        raise
-    try:
-        return str(json.loads(body).get("uid") or "")
+        return str(json.loads(got[0]).get("uid") or "")
     except (ValueError, AttributeError):
         return ""
 
@@ -315,47 +195,35 @@ _NO_CONDITIONAL = {"NotImplemented", "501", "InvalidArgument", "InvalidRequest"}
 _PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
 
-def _code(err: ClientError) -> str:
-    return str(err.response.get("Error", {}).get("Code"))
-
-
-def _marker(s3, store: AdapterStoreSpec, key: str) -> Marker | None:
+def _marker(s3: storage.Bucket, key: str) -> Marker | None:
     """The marker at `key` with its listed LastModified, None when there is none. Listed, not
     read with HEAD: listings and HEAD give the time at different precisions, and every marker
     compared must come from the same clock and precision."""
-    listed = s3.list_objects_v2(Bucket=store.bucket, Prefix=key, MaxKeys=1).get("Contents")
+    listed = s3.listing(key, limit=1)
     if not listed or listed[0]["Key"] != key:
         return None
-    try:
-        got = s3.get_object(Bucket=store.bucket, Key=key)
-    except ClientError as err:
-        if _code(err) in ("NoSuchKey", "404"):
-            return None
-        raise
-    body = got["Body"].read(4096)
+    got = s3.get_tagged(key, limit=4096)
+    if got is None:
+        return None
+    body, etag = got
     try:
         doc = json.loads(body)
         uid, ns, nm = (str(doc.get(k) or "") for k in ("uid", "namespace", "name"))
     except (ValueError, AttributeError):
         uid = ns = nm = ""
-    return Marker(key, uid, ns, nm, listed[0]["LastModified"], str(got.get("ETag") or ""))
+    return Marker(key, uid, ns, nm, listed[0]["LastModified"], etag)
 
 
-def _nested_markers(s3, store: AdapterStoreSpec, folder: str) -> list[Marker]:
+def _nested_markers(s3: storage.Bucket, folder: str) -> list[Marker]:
     """Markers strictly below `folder` (other runs' folders inside it)."""
-    out = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket,
-                                                             Prefix=folder):
-        for o in page.get("Contents", []):
-            key = o["Key"]
-            if key.endswith("/" + layout.OWNER_MARKER) and key != folder + layout.OWNER_MARKER:
-                out.append(Marker(key, "", "", "", o["LastModified"], ""))
-    return out
+    return [Marker(o["Key"], "", "", "", o["LastModified"], "") for o in s3.listing(folder)
+            if o["Key"].endswith("/" + layout.OWNER_MARKER)
+            and o["Key"] != folder + layout.OWNER_MARKER]
 
 
-def _enclosing_markers(s3, store: AdapterStoreSpec, folder: str) -> list[Marker]:
+def _enclosing_markers(s3: storage.Bucket, folder: str) -> list[Marker]:
     """Markers of folders above `folder`, nearest first."""
-    found = (_marker(s3, store, parent + layout.OWNER_MARKER)
+    found = (_marker(s3, parent + layout.OWNER_MARKER)
              for parent in reversed(layout.ancestors(folder)))
     return [m for m in found if m is not None]
 
@@ -364,24 +232,25 @@ def _folder(marker: Marker) -> str:
     return marker.key[:-len(layout.OWNER_MARKER)]
 
 
-def _write_marker(s3, store: AdapterStoreSpec, key: str, owner: Owner,
+def _write_marker(s3: storage.Bucket, key: str, owner: Owner,
                   if_match: str | None = None) -> bool:
     """Write the marker only where none is (`If-None-Match: *`), or over the one with ETag
     `if_match`: False when another write won. A store that does not support conditional
     writes gets a plain write (the documented fallback: the caller read first, and reads
     back after)."""
-    kw: dict[str, Any] = {"Bucket": store.bucket, "Key": key, "Body": owner.marker(),
-                          "ContentType": "application/json"}
+    body = owner.marker()
     try:
-        s3.put_object(**kw, **({"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}))
+        if if_match:
+            s3.put_bytes(key, body, "application/json", if_match=if_match)
+        else:
+            s3.put_bytes(key, body, "application/json", if_none_match="*")
         return True
-    except ClientError as err:
-        code = _code(err)
-        if code in _PRECONDITION:
+    except storage.StoreError as err:
+        if err.code in _PRECONDITION:
             return False
-        if code not in _NO_CONDITIONAL:
+        if err.code not in _NO_CONDITIONAL:
             raise
-    s3.put_object(**kw)
+    s3.put_bytes(key, body, "application/json")
     return True
 
 
@@ -402,13 +271,6 @@ def _owned_by_another(store: AdapterStoreSpec, folder: str, found: Marker,
     return BucketError("FolderOwnedByAnotherRun", f"s3://{store.bucket}/{folder} belongs to "
                        f"another run (its ownership marker holds another uid){hint}; use "
                        "another name or prefix, or remove that folder")
-
-
-def run_folder(store: AdapterStoreSpec, owner: Owner) -> str:
-    try:
-        return layout.run_folder(store.prefix, owner.namespace, owner.name)
-    except ValueError as e:
-        raise BucketError("InvalidPrefix", str(e)) from None
 
 
 def setup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
@@ -435,25 +297,25 @@ def setup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
     folder = run_folder(store, owner)
     key = folder + layout.OWNER_MARKER
     created = ensure_bucket(store, creds)
-    s3 = client(store, creds)
+    s3 = _objects(store, creds)
 
     def claim() -> None:
-        found = _marker(s3, store, key)   # read first: the fallback's guard
+        found = _marker(s3, key)   # read first: the fallback's guard
         wrote = False
         if found is None:
-            wrote = _write_marker(s3, store, key, owner)
-            found = _marker(s3, store, key)
+            wrote = _write_marker(s3, key, owner)
+            found = _marker(s3, key)
         if found is not None and found.uid != owner.uid and reclaim and \
                 (found.namespace, found.name) == (owner.namespace, owner.name):
-            wrote = _write_marker(s3, store, key, owner, if_match=found.etag)
-            found = _marker(s3, store, key)
+            wrote = _write_marker(s3, key, owner, if_match=found.etag)
+            found = _marker(s3, key)
         if found is None:
             raise BucketError("FolderClaimConflict", f"s3://{store.bucket}/{folder}: its "
                               "ownership marker went away while it was claimed; retried")
         if found.uid != owner.uid:
             raise _owned_by_another(store, folder, found, owner)
-        for reason, others in (("FolderInsideAnotherRun", _enclosing_markers(s3, store, folder)),
-                               ("FolderContainsAnotherRun", _nested_markers(s3, store, folder))):
+        for reason, others in (("FolderInsideAnotherRun", _enclosing_markers(s3, folder)),
+                               ("FolderContainsAnotherRun", _nested_markers(s3, folder))):
             # a marker written after ours yields to ours (its own setup sees ours and backs
             # off); one written before keeps its folder. The store's clock has one-second
             # steps, so a tie is common: two claims written now both yield (their next setups
@@ -463,7 +325,7 @@ def setup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
                      if m.written < found.written or (wrote and m.written == found.written)]
             if older:
                 if wrote:
-                    s3.delete_object(Bucket=store.bucket, Key=key)
+                    s3.delete_one(key)
                 raise _claim_conflict(reason, store, folder, _folder(older[0]))
 
     _safe(store, "claiming the run folder in", claim)
@@ -479,12 +341,12 @@ def cleanup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
     cleanup cut short can be finished by the same run.
     """
     folder = run_folder(store, owner)
-    s3 = client(store, creds)
+    s3 = _objects(store, creds)
 
     def empty() -> int:
         try:
-            found = _read_marker(s3, store, folder + layout.OWNER_MARKER)
-        except ClientError as err:
+            found = _read_marker(s3, folder + layout.OWNER_MARKER)
+        except storage.StoreError as err:
             if _classify(err, store, "emptying").reason == "BucketNotFound":
                 return 0
             raise
@@ -492,22 +354,19 @@ def cleanup_run_folder(store: AdapterStoreSpec, creds: Credentials | None,
             whose = "no" if found is None else "another run's"
             raise BucketError("NotOwner", f"s3://{store.bucket}/{folder} has {whose} "
                               "ownership marker: nothing deleted")
-        above = _enclosing_markers(s3, store, folder)
+        above = _enclosing_markers(s3, folder)
         if above:
             raise BucketError("FolderInsideAnotherRun", f"s3://{store.bucket}/{folder} lies "
                               f"inside another run's folder {_folder(above[0])}: nothing "
                               "deleted")
-        others = tuple(_folder(m) for m in _nested_markers(s3, store, folder))
+        others = tuple(_folder(m) for m in _nested_markers(s3, folder))
         marker = folder + layout.OWNER_MARKER
         deleted = 0
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket,
-                                                                 Prefix=folder):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])
-                    if o["Key"] != marker and not o["Key"].startswith(others)]
-            if keys:
-                s3.delete_objects(Bucket=store.bucket, Delete={"Objects": keys, "Quiet": True})
-                deleted += len(keys)
-        s3.delete_object(Bucket=store.bucket, Key=marker)
+        keys = [k for k in s3.list(folder) if k != marker and not k.startswith(others)]
+        if keys:
+            s3.delete(keys)   # 1000 a request
+            deleted += len(keys)
+        s3.delete_one(marker)
         return deleted + 1
 
     return _safe(store, "emptying", empty)

@@ -1,9 +1,10 @@
-"""`asyncgrpo bucket setup|cleanup`: the container of a run's bucket Jobs (`bucketjob`).
+"""`asyncgrpo bucket setup|cleanup`: the container of a run's bucket Jobs (the operator builds
+them in `asyncgrpo.controller.bucketjob`).
 
 Runs in the run's own pod, never in the operator: it reads where the run folder is from the
 env the Job builder sets (`common.bucket_env`, the run's uid, createBucket, the admin's
 endpoint allowlist), the keys from the run's Secret (secretKeyRef env) or, without them, the
-pod's own cloud identity, and calls the one implementation in `controller.bucket`
+pod's own cloud identity, and calls the one implementation in `asyncgrpo.bucket.folder`
 (`setup_run_folder`, `cleanup_run_folder`: the ownership-marker rules).
 
 Its outcome is its exit status and its termination message (`/dev/termination-log`, or
@@ -45,7 +46,7 @@ def execute(action: str, env: Mapping[str, str]) -> tuple[int, str]:
     """(exit status, termination message) of one action; never raises on bad input."""
     from pydantic import ValidationError
 
-    from asyncgrpo.controller import bucket
+    from asyncgrpo.bucket import folder as bucket
 
     try:
         try:

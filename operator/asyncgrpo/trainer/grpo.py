@@ -469,8 +469,12 @@ class S3AdapterGRPOTrainer(TreePackingMixin, AsyncGRPOTrainer):
                                **{k: logs[k] for k in logs if k.startswith("eval_")}})
             del self.evals[:-1000]
         if "reward" in logs:
+            # the tool metrics TRL's worker stamps on a group's samples (calls per rollout,
+            # failed fraction) are in the logs only for steps whose groups called a tool
             self.history.append({k: logs.get(k) for k in ("reward", "reward_std", "loss",
                                                           "perf/step_s")}
+                                | {k: logs[k] for k in ("tools/call_frequency",
+                                                        "tools/failure_frequency") if k in logs}
                                 | {"step": int(self.state.global_step)})
             del self.history[:-1000]
         m = self._metrics_sink

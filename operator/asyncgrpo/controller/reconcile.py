@@ -42,6 +42,7 @@ from asyncgrpo.controller import (
     pool,
     preflightjob,
     progress,
+    rollout_replicas,
     sandboxes,
     secret,
     served,
@@ -219,10 +220,23 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child],
     if final is not None:
         state.progress = _merge_progress(state.progress, final)
     obs.progress = state.progress
+    versions: dict[str, int | None] = {}
     if run.spec.model.finetuning == "full" and not stopped:
-        obs.served_weights = served.served_weights(children, lambda ip: _read(
-            rt, obs, (ns, name, "puller", ip), ns, served.puller_url(ip), untrusted.puller,
-            served.MAX_STATUS_BYTES, budget, f"the weights puller at {ip}"))
+        def read_puller(ip):
+            versions[ip] = _read(rt, obs, (ns, name, "puller", ip), ns, served.puller_url(ip),
+                                 untrusted.puller, served.MAX_STATUS_BYTES, budget,
+                                 f"the weights puller at {ip}")
+            return versions[ip]
+        obs.served_weights = served.served_weights(children, read_puller)
+    if not stopped and served.running_ips(children):
+        obs.rollout_replicas = rollout_replicas.summarize(
+            children, state.progress.replicas if state.progress is not None else None,
+            lambda ip: _read(rt, obs, (ns, name, "vllm-metrics", ip), ns,
+                             f"http://{rollout_replicas.replica_key(ip)}/metrics",
+                             rollout_replicas.vllm_prefix_cache,
+                             rollout_replicas.MAX_VLLM_METRICS_BYTES, budget,
+                             f"the vLLM metrics at {ip}"),
+            versions)
     obs.conflicts = conflicts
 
     status, events = compute(run.spec, obs, old, now_iso())

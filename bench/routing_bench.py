@@ -25,6 +25,12 @@ Measured from the replicas' own counters (`vllm:*`, summed over replicas):
 Each (replicas, shape, mode) starts from empty prefix caches (`/reset_prefix_cache`).
 
     .venv/bin/python bench/routing_bench.py [--replicas 2 4] [--groups 12] [--g 8] [--turns 4]
+        [--repeat 3]
+
+With --repeat N every case runs N times (in turn: random, affine, random, ...); the table
+gives each metric's median and the ratios' median with their range over the repeats. Each
+replica's resident memory (its process group: API server, engine, helpers) is printed once
+the servers are up.
 
 Needs the vLLM venv (hack/setup-vllm-venv.sh); run under `flock /tmp/asyncgrpo-vllm.lock`.
 """
@@ -37,8 +43,10 @@ import contextvars
 import itertools
 import json
 import multiprocessing
+import os
 import queue
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -103,6 +111,22 @@ def counters(server) -> dict[str, float]:
                             "vllm:prompt_tokens_total"):
                 out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def rss_mib(server) -> float:
+    """Resident memory of the server's process group (it runs in its own session)."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pgrp = int(stat.rsplit(")", 1)[1].split()[2])
+            if pgrp == server.proc.pid:
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def quantile(buckets: dict[float, float], q: float) -> float:
@@ -178,11 +202,14 @@ def run_case(model, tokenizer, servers, mode: str, turns: int, groups: int, g: i
         s.request("POST", "/reset_prefix_cache", {})
     ideal = IdealCache(block)
     loop = make_loop(model, tokenizer, replicas, mode, ideal)
+    from asyncgrpo.trainer.patches import tolerant_parse_response
+
     real_parse = trl_worker.parse_response
+    parse = tolerant_parse_response(real_parse)   # as the trainer's patches.apply() has it
     turns_of: dict[int, int] = {}  # per conversation: the task's own marker (a ContextVar)
 
     def scripted(tok, ids, prefix=None, tools=None):
-        msg = real_parse(tok, ids, prefix=prefix, tools=tools)
+        msg = parse(tok, ids, prefix=prefix, tools=tools)
         key = _conversation.get()
         turns_of[key] = turns_of.get(key, 0) + 1
         if turns_of[key] < turns:
@@ -257,6 +284,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=0,
                     help="groups in flight (default: 2 per replica)")
+    ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -286,40 +314,64 @@ def main() -> int:
         if None in servers:
             raise RuntimeError(f"a replica did not start; logs in {root}")
         block = int(counters(servers[0]).get("block_size") or 16)
+        rss = [rss_mib(s) for s in servers]
+        print(f"replica RSS (MiB, process group, idle after start): "
+              f"{', '.join(f'{x:.0f}' for x in rss)}", flush=True)
         for r in sorted(args.replicas):
             for turns in (1, args.turns):
-                for mode in ("random", "affine"):
-                    row = run_case(model, tokenizer, servers[:r], mode, turns, args.groups,
-                                   args.g, args.concurrency or 2 * r, block, seed=r * 10 + turns)
-                    row["block_size"] = block
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                for rep in range(args.repeat):
+                    for mode in ("random", "affine"):
+                        row = run_case(model, tokenizer, servers[:r], mode, turns,
+                                       args.groups, args.g, args.concurrency or 2 * r, block,
+                                       seed=r * 10 + turns + 1000 * rep)
+                        row["block_size"] = block
+                        row["repeat"] = rep
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+        print(f"replica RSS (MiB, after the runs): "
+              f"{', '.join(f'{rss_mib(s):.0f}' for s in servers)}", flush=True)
     finally:
         for s in servers:
             if s is not None:
                 s.stop()
 
-    print(f"\nrouting: {args.groups} groups of G={args.g}, block size {block}; "
-          "hit rate and computed tokens from the replicas' vllm:* counters\n")
+    print(f"\nrouting: {args.groups} groups of G={args.g}, block size {block}, "
+          f"{args.repeat} repeat(s); hit rate and computed tokens from the replicas' vllm:* "
+          "counters; medians over the repeats\n")
     hdr = ("| replicas | shape | mode | hit rate | of ideal | computed/rollout | tok/s | "
            "TTFT p50 | TTFT p99 | max/mean load |")
     print(hdr)
     print("|---" * 10 + "|")
-    for x in rows:
-        print(f"| {x['replicas']} | {x['shape']} | {x['mode']} | {x['hit_rate']:.3f} | "
-              f"{x['of_ideal']:.2f} | {x['computed_per_rollout']:.0f} | {x['tok_s']:.1f} | "
-              f"{x['ttft_p50']:.3f} s | {x['ttft_p99']:.3f} s | {x['max_over_mean_load']:.2f} |")
-    print("\n| replicas | shape | affine / random tok/s | computed/rollout random / affine |")
+    keys = sorted({(x["replicas"], x["shape"]) for x in rows},
+                  key=lambda k: (k[0], k[1] != "single-turn"))
+
+    def med(r, shape, mode, name):
+        return statistics.median(x[name] for x in rows
+                                 if (x["replicas"], x["shape"], x["mode"]) == (r, shape, mode))
+
+    for r, shape in keys:
+        for mode in ("random", "affine"):
+            m = {k: med(r, shape, mode, k) for k in (
+                "hit_rate", "of_ideal", "computed_per_rollout", "tok_s", "ttft_p50",
+                "ttft_p99", "max_over_mean_load")}
+            print(f"| {r} | {shape} | {mode} | {m['hit_rate']:.3f} | {m['of_ideal']:.2f} | "
+                  f"{m['computed_per_rollout']:.0f} | {m['tok_s']:.1f} | "
+                  f"{m['ttft_p50']:.3f} s | {m['ttft_p99']:.3f} s | "
+                  f"{m['max_over_mean_load']:.2f} |")
+    print("\n| replicas | shape | affine / random tok/s: median (range) | "
+          "computed/rollout random / affine: median (range) |")
     print("|---|---|---|---|")
-    for r in sorted(args.replicas):
-        for shape in {x["shape"] for x in rows}:
-            a = next((x for x in rows if (x["replicas"], x["shape"], x["mode"]) ==
-                      (r, shape, "affine")), None)
-            b = next((x for x in rows if (x["replicas"], x["shape"], x["mode"]) ==
-                      (r, shape, "random")), None)
-            if a and b:
-                print(f"| {r} | {shape} | {a['tok_s'] / b['tok_s']:.2f}x | "
-                      f"{b['computed_per_rollout'] / max(a['computed_per_rollout'], 1):.2f}x |")
+    for r, shape in keys:
+        pairs = []
+        for rep in range(args.repeat):
+            a, b = (next(x for x in rows if (x["replicas"], x["shape"], x["mode"],
+                                             x["repeat"]) == (r, shape, mode, rep))
+                    for mode in ("affine", "random"))
+            pairs.append((a["tok_s"] / b["tok_s"],
+                          b["computed_per_rollout"] / max(a["computed_per_rollout"], 1)))
+        tp, cp = [p[0] for p in pairs], [p[1] for p in pairs]
+        print(f"| {r} | {shape} | {statistics.median(tp):.2f}x ({min(tp):.2f}-{max(tp):.2f}) | "
+              f"{statistics.median(cp):.2f}x ({min(cp):.2f}-{max(cp):.2f}) |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

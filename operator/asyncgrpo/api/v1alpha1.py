@@ -776,6 +776,24 @@ class ServedWeightsStatus(StatusModel):
     replicas: int = Field(default=0, description="Replicas whose puller answered.")
 
 
+class RolloutReplicaStatus(StatusModel):
+    """One vLLM replica as the rollouts see it (docs/routing.md)."""
+
+    replica: str = Field(description="ip:port: the trainer's router key and Prometheus' "
+                         "instance of the pod's vllm:* series.")
+    pod: str | None = Field(default=None, description="The vLLM pod (absent: no Running pod "
+                            "has this address now; the router's count is kept).")
+    requests_routed: int | None = Field(default=None, description="Rollout requests the "
+                                        "trainer's router sent it (affine routing).")
+    prefix_cache_queries: int | None = Field(default=None, description="Prompt tokens it "
+                                             "looked up in its prefix cache (vLLM's "
+                                             "vllm:prefix_cache_queries).")
+    prefix_cache_hits: int | None = Field(default=None, description="Of those, tokens found "
+                                          "cached (vllm:prefix_cache_hits).")
+    served_version: int | None = Field(default=None, description="Full fine-tuning: the "
+                                       "weights version it serves (its puller).")
+
+
 class ThroughputStatus(StatusModel):
     """Training throughput, mirrored from the trainer's metrics."""
 
@@ -830,6 +848,9 @@ class AsyncGRPORunStatus(StatusModel):
         "replicas (oldest, newest).")
     throughput: ThroughputStatus = Field(default_factory=ThroughputStatus,
                                          description="Throughput.")
+    rollout_replicas: list[RolloutReplicaStatus] = Field(
+        default_factory=list, max_length=64, description="Per running vLLM replica: requests "
+        "routed to it, its prefix-cache queries and hits, the version it serves.")
     sandboxes: SandboxStatus = Field(default_factory=SandboxStatus, description="Sandbox counts.")
     checkpoint_identity: str | None = Field(
         default=None, max_length=4096,

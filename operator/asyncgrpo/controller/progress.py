@@ -34,14 +34,39 @@ class Progress:
     unique_tokens_per_second: float | None = None
     tree_compression_ratio: float | None = None
     reward_mean: float | None = None
+    #: per vLLM replica (`ip:port`) the router counts: {"requests": n, "version": v}
+    #: (controller.rollout_replicas)
+    replicas: dict[str, dict[str, int]] | None = None
     #: the run's result (`final/`), from the termination message: bucket, key, kind, step
     outputs: list[dict] | None = None
+
+
+#: the router's per-replica series (asyncgrpo.trainer.routed_loop) -> the key in `replicas`
+REPLICA_METRICS = {
+    "asyncgrpo_trainer_rollout_routed_requests_total": "requests",
+    "asyncgrpo_trainer_rollout_replica_served_version": "version",
+}
+#: most replicas read from one page (the labels are the tenant's)
+MAX_REPLICAS = 64
+
+
+def _replica_sample(out: Progress, sample) -> None:
+    key = REPLICA_METRICS[sample.name]
+    replica = untrusted.short_text(sample.labels.get("replica"), "replica", most=64)
+    replicas = out.replicas if out.replicas is not None else {}
+    if replica not in replicas and len(replicas) >= MAX_REPLICAS:
+        return
+    replicas.setdefault(replica, {})[key] = untrusted.count(sample.value, sample.name)
+    out.replicas = replicas
 
 
 def parse(text: str) -> Progress:
     out = Progress()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name in REPLICA_METRICS:
+                _replica_sample(out, sample)
+                continue
             attr = METRICS.get(sample.name)
             if attr is None:
                 continue

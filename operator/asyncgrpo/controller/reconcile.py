@@ -40,6 +40,7 @@ from asyncgrpo.controller import (
     ownership,
     preflightjob,
     progress,
+    rollout_replicas,
     sandbox_io,
     secret,
     served,
@@ -191,11 +192,25 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child],
     if final is not None:
         state.progress = _merge_progress(state.progress, final)
     obs.progress = state.progress
+    versions: dict[str, int | None] = {}
     if run.spec.model.finetuning == "full" and not stopped:
-        obs.served_weights = served.served_weights(children, lambda ip: rt.tenant_io.latest(
-            (ns, name, "puller", ip), ns, served.puller_url(ip), untrusted.puller,
-            max_bytes=served.MAX_STATUS_BYTES, budget=budget,
-            what=f"the weights puller at {ip}", problems=obs.endpoint_problems))
+        def read_puller(ip):
+            versions[ip] = rt.tenant_io.latest(
+                (ns, name, "puller", ip), ns, served.puller_url(ip), untrusted.puller,
+                max_bytes=served.MAX_STATUS_BYTES, budget=budget,
+                what=f"the weights puller at {ip}", problems=obs.endpoint_problems)
+            return versions[ip]
+        obs.served_weights = served.served_weights(children, read_puller)
+    if not stopped and served.running_ips(children):
+        obs.rollout_replicas = rollout_replicas.summarize(
+            children, state.progress.replicas if state.progress is not None else None,
+            lambda ip: rt.tenant_io.latest(
+                (ns, name, "vllm-metrics", ip), ns,
+                f"http://{rollout_replicas.replica_key(ip)}/metrics",
+                rollout_replicas.vllm_prefix_cache,
+                max_bytes=rollout_replicas.MAX_VLLM_METRICS_BYTES, budget=budget,
+                what=f"the vLLM metrics at {ip}", problems=obs.endpoint_problems),
+            versions)
     obs.conflicts = conflicts
 
     status, events = compute(run.spec, obs, old, now_iso())

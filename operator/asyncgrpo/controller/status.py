@@ -53,6 +53,8 @@ class Observation:
     pool_error: tuple[str, str] | None = None
     #: full fine-tuning: the weights versions the vLLM replicas serve (oldest, newest)
     served_weights: ServedWeights | None = None
+    #: per vLLM replica (controller.rollout_replicas); None: not read (stopped, no pod)
+    rollout_replicas: list[dict] | None = None
     #: (kind, name) of children whose names are held by objects that are not the run's
     conflicts: list[tuple[str, str]] = field(default_factory=list)
     #: (reason, message) of the refused write of the run's ConfigMap: nothing starts
@@ -281,6 +283,8 @@ def _observed_fields(spec: AsyncGRPORunSpec | None, obs: Observation) -> dict[st
             out["outputs"] = p.outputs
     if obs.served_weights is not None:
         out["servedWeights"] = obs.served_weights.status()
+    if obs.rollout_replicas is not None:
+        out["rolloutReplicas"] = obs.rollout_replicas
     if spec is not None and spec.sandboxes is not None and obs.sandboxes:
         sb = out["sandboxes"] = dict(obs.sandboxes)
         if "wanted" in sb:

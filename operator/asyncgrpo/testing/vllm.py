@@ -51,10 +51,12 @@ class VLLMServer:
     log_path: Path
     bucket: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    #: the loopback address it listens on (one per replica where a test needs a host each)
+    host: str = "127.0.0.1"
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def request(self, method: str, path: str, body: dict | None = None,
                 timeout: float = 300.0) -> tuple[int, dict]:
@@ -110,16 +112,18 @@ def start_vllm_server(
     extra_args: list[str] | None = None,
     bucket: str = "",
     cpus: set[int] | None = None,
+    host: str = "127.0.0.1",
 ) -> VLLMServer:
-    """Start vLLM on a free loopback port and wait until /health answers.
+    """Start vLLM on a free loopback port (of `host`, a loopback address) and wait until
+    /health answers.
 
     ``env`` adds to (and overrides) the environment: pass the resolver's
     ``ASYNCGRPO_ADAPTER_*`` and the S3 credentials there.
     """
-    port = free_port()
+    port = free_port(host)
     args = [
         "--model", str(model),
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--dtype", dtype,
         "--max-model-len", str(max_model_len),
@@ -131,13 +135,15 @@ def start_vllm_server(
         *(extra_args or []),
     ]
     return launch_vllm(args, port=port, model=str(model), log_path=log_path, env=env,
-                       kvcache_gib=kvcache_gib, threads=threads, bucket=bucket, cpus=cpus)
+                       kvcache_gib=kvcache_gib, threads=threads, bucket=bucket, cpus=cpus,
+                       host=host)
 
 
 def launch_vllm(args: list[str], *, port: int, model: str, log_path: Path,
                 env: dict[str, str] | None = None, kvcache_gib: int = 1, threads: int = 1,
-                bucket: str = "", cpus: set[int] | None = None) -> VLLMServer:
-    """Start `vllm.entrypoints.openai.api_server ARGS` (which must listen on 127.0.0.1:`port`)
+                bucket: str = "", cpus: set[int] | None = None,
+                host: str = "127.0.0.1") -> VLLMServer:
+    """Start `vllm.entrypoints.openai.api_server ARGS` (which must listen on `host`:`port`)
     from the vLLM venv, with the resolver plugin and CPU settings, and wait for /health."""
     py = vllm_python()
     if py is None:
@@ -174,7 +180,7 @@ def launch_vllm(args: list[str], *, port: int, model: str, log_path: Path,
     if cpus:  # before the engine starts its workers, which inherit it
         os.sched_setaffinity(proc.pid, cpus)
     server = VLLMServer(proc=proc, port=port, model=str(model), log_path=log_path,
-                        bucket=bucket, env=full_env)
+                        bucket=bucket, env=full_env, host=host)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -195,3 +195,83 @@ def test_the_rollout_workers_routing_numbers_become_per_replica_series():
     # b left the replica set: its gauges go, its counters stay (Prometheus' rate needs them)
     assert (p + "replica_groups_in_flight", b) not in got
     assert got[(p + "replica_served_version", a)] == 7.0
+
+
+class _ClosesKeptAliveConnections:
+    """An HTTP server that answers the first request of each connection (keep-alive) and
+    closes the connection, unanswered, when a second request arrives on it: what a client
+    sees when it reuses a connection that vLLM's uvicorn closed after its 5 s idle timeout,
+    without waiting for the race."""
+
+    def __init__(self):
+        self.answered = 0
+        self.closed_unanswered = 0
+
+    async def handle(self, reader, writer):
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if served:
+                    self.closed_unanswered += 1
+                    break
+                body = b'{"choices": [{"text": "ok"}]}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Connection: keep-alive\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body))
+                await writer.drain()
+                served += 1
+                self.answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def test_a_kept_alive_connection_the_server_closed_is_not_the_replicas_failure():
+    """The routing bench (2026-12-03) saw 28 false failovers in one run: a request sent on a
+    pooled connection vLLM had just closed failed with ServerDisconnectedError, and the router
+    marked a healthy replica down and moved its groups. The request now goes once more to the
+    same replica on a new connection."""
+    pytest.importorskip("trl")
+    from collections import defaultdict
+
+    import aiohttp
+
+    from asyncgrpo.trainer import routed_loop
+
+    server = _ClosesKeptAliveConnections()
+
+    async def scenario():
+        servers = [await asyncio.start_server(server.handle, host, 0)
+                   for host in ("127.0.0.1", "127.0.0.2")]
+        replicas = [f"{s.sockets[0].getsockname()[0]}:{s.sockets[0].getsockname()[1]}"
+                    for s in servers]
+        # the loop's own parts only (TRL's constructor would spawn nothing this needs)
+        loop = routed_loop.RoutedRolloutLoop.__new__(routed_loop.RoutedRolloutLoop)
+        loop.router, loop._unkeyed, loop._counters = Router(), 0, defaultdict(float)
+        loop.router.set_replicas(replicas)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                keepalive_timeout=60)) as pooled, aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+            loop.session = loop._route_session = pooled   # TRL's session, the routed one
+            loop._fresh_session = fresh
+            routed_loop._group.set(7)
+            loop.router.start(7)
+            home = loop.router.route(7)[0]
+            answers = [await loop._post("/v1/completions", {"prompt": "x"}, timeout=10)
+                       for _ in range(4)]   # every request after the first meets a closed one
+        for s in servers:
+            s.close()
+        return loop, home, answers
+
+    loop, home, answers = asyncio.run(scenario())
+    assert answers == [{"choices": [{"text": "ok"}]}] * 4
+    assert server.closed_unanswered == 2   # requests 2 and 4 met a closed connection
+    failovers = {k: v for k, v in loop._counters.items() if "failover" in k or "retry" in k}
+    assert not failovers, failovers
+    assert loop._counters[f"routing/{home}/requests_total"] == 4
+    assert loop.router.healthy(home)

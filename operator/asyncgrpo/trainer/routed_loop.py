@@ -23,6 +23,15 @@ the same request goes at once to the group's next replica; the conversation's la
 follow it there. Without any healthy replica the request goes to the Service
 (`ASYNCGRPO_VLLM_URL`), as without routing.
 
+Kept-alive connections are not failures: vLLM's uvicorn closes a connection idle for 5 s
+(`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`) and aiohttp keeps one 15 s by default, so a request sent on
+a connection the server has just closed fails (`ServerDisconnectedError`, "Can not write
+request body") from a healthy replica; the routing bench saw 28 such false failovers in one
+run, each marking a healthy replica down and moving its groups. The routed requests use a
+session of their own whose idle connections are dropped after `KEEPALIVE_S` (under the
+server's 5 s), and a request that fails on a reused connection is sent once more to the same
+replica on a new one before it counts as the replica's failure.
+
 Metrics pushed through TRL's metrics queue (`asyncgrpo.trainer.metrics` maps them):
 `routing/<replica>/requests_total`, `.../groups_total`, `.../failovers_total`,
 `.../groups_in_flight`, `.../served_version`; `<replica>` is `host:port`, Prometheus'
@@ -48,6 +57,18 @@ _group: ContextVar[object] = ContextVar("asyncgrpo_route_group", default=None)
 PULLER_TIMEOUT_S = 1.0
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
                      asyncio.TimeoutError, TimeoutError, ConnectionResetError)
+#: idle routed connections are closed after this (vLLM's uvicorn closes them after 5 s)
+KEEPALIVE_S = 4.0
+
+
+def _stale_connection(err: BaseException) -> bool:
+    """A failure of a connection the server may have closed while it was idle in the pool:
+    the server went away before answering, or the request could not be written. A new
+    connection that cannot be made (refused, unreachable) is the replica's own failure."""
+    if isinstance(err, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(err, aiohttp.ClientOSError) and not isinstance(
+        err, aiohttp.ClientConnectorError)
 
 
 def _hostport(ip: str, port: int) -> str:
@@ -81,6 +102,7 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
         self.router = Router(c=routing.load_factor) if routing is not None else None
         self._unkeyed = 0
         self._route_session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None
 
     # -- replicas and versions -------------------------------------------------------------
 
@@ -115,8 +137,12 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
     async def _run_loops(self, stop_event: asyncio.Event) -> None:
         if self.router is None:
             return await super()._run_loops(stop_event)
-        async with aiohttp.ClientSession() as session:
-            self._route_session = session
+        limit = self.max_inflight_tasks
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                limit=limit, keepalive_timeout=KEEPALIVE_S)) as session, \
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                    limit=limit, force_close=True)) as fresh:
+            self._route_session, self._fresh_session = session, fresh
             await self.refresh_replicas()
             follower = asyncio.create_task(self._follow(stop_event))
             try:
@@ -154,12 +180,18 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
                 self._counters[f"routing/{replica}/groups_total"] += 1
             self._counters[f"routing/{replica}/requests_total"] += 1
             try:
-                async with self.session.post(f"http://{replica}{path}", json=payload,
-                                             timeout=client_timeout) as response:
-                    response.raise_for_status()
-                    content = await response.json()
+                try:
+                    content = await self._send(self._route_session, replica, path, payload,
+                                               client_timeout)
+                except _TRANSPORT_ERRORS as err:
+                    if not _stale_connection(err):
+                        raise
+                    log.info("vLLM replica %s: %s on a kept-alive connection; sending %s "
+                             "again on a new one", replica, type(err).__name__, path)
+                    content = await self._send(self._fresh_session, replica, path, payload,
+                                               client_timeout)
                 self.router.succeeded(replica)
-                return content if content else {}
+                return content
             except aiohttp.ClientResponseError as err:
                 if err.status < 500:  # the request's own fault: TRL's retry decides
                     raise
@@ -175,6 +207,15 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
                 raise failure
             if not any(self.router.healthy(r) for r in self.router.replicas):
                 await asyncio.sleep(min(2 ** attempt, 16))
+
+    @staticmethod
+    async def _send(session: aiohttp.ClientSession, replica: str, path: str, payload: dict,
+                    timeout: aiohttp.ClientTimeout) -> dict:
+        async with session.post(f"http://{replica}{path}", json=payload,
+                                timeout=timeout) as response:
+            response.raise_for_status()
+            content = await response.json()
+        return content if content else {}
 
     def _push_metrics(self, values):
         if self.router is not None:

@@ -149,9 +149,9 @@ def test_pull_from_a_run_file_over_s3_and_from_a_local_s3_folder(adapters, tiny_
 def test_status_outputs_come_from_the_trainers_termination_message(message):
     from asyncgrpo.api.v1alpha1 import AsyncGRPORunStatus
     from asyncgrpo.controller import progress
-    from asyncgrpo.controller.status import _observed_fields
+    from asyncgrpo.controller.status import Observation, _observed_fields
 
     p = progress.from_termination_message(message)
-    out = _observed_fields(None, type("Obs", (), {"progress": p, "served_weights": None})())
+    out = _observed_fields(None, Observation(generation=1, progress=p))
     assert out["outputs"] == [{"bucket": "b", "key": "p/ns/r/final/", "kind": "lora", "step": 4}]
     AsyncGRPORunStatus.model_validate({"outputs": out["outputs"]})  # the CRD's status field

@@ -203,7 +203,7 @@ def test_reconcile_runs_setup_as_a_job_and_never_touches_the_endpoint():
         assert bucket_cond(out)["status"] == "True"
         # the preflight (on by default) starts once the bucket is set up; the trainer waits
         preflight = next(o for verb, o in rt.kube.writes if verb == "create"
-                         and o["metadata"]["name"] == "quiet-preflight")
+                         and o["kind"] == "Job" and o["metadata"]["name"] == "quiet-preflight")
         assert all(o["spec"]["replicas"] == 0 for _, o in rt.kube.writes
                    if o.get("kind") == "StatefulSet")
         passed = Child(kind="Job", name="quiet-preflight", component="preflight", phase="Complete",

@@ -296,6 +296,13 @@ def test_network_policies():
     vllm_rules = pols["coder-agent-vllm"]["ingress"]
     assert vllm_rules[0]["from"][0]["podSelector"]["matchLabels"][
         "app.kubernetes.io/component"] == "trainer"
+    # the preflight pod runs the tenant's modules and serves nothing: no ingress at all (its
+    # egress stays open, as the trainer's: the model may come from a hub, the data from anywhere)
+    assert pols["coder-agent-preflight"] == {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "asyncgrpo",
+                                        "app.kubernetes.io/instance": "coder-agent",
+                                        "app.kubernetes.io/component": "preflight"}},
+        "policyTypes": ["Ingress"], "ingress": []}
     assert vllm_rules[1]["from"] == network.DEFAULT_SCRAPERS
 
     closed = run_of(**{"spec.sandboxes.network": {}})

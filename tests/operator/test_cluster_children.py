@@ -15,7 +15,7 @@ CHILDREN = {
     ("ConfigMap", "{r}-config"), ("Secret", "{r}-tokens"),
     ("NetworkPolicy", "{r}-trainer"), ("NetworkPolicy", "{r}-vllm"),
     ("NetworkPolicy", "{r}-gateway"), ("NetworkPolicy", "{r}-sandbox"),
-    ("NetworkPolicy", "{r}-bucket"),
+    ("NetworkPolicy", "{r}-bucket"), ("NetworkPolicy", "{r}-preflight"),
     ("Service", "{r}-vllm"), ("Deployment", "{r}-vllm"), ("Service", "{r}-gateway"),
     ("Deployment", "{r}-gateway"), ("Service", "{r}-trainer"), ("StatefulSet", "{r}-trainer"),
 }

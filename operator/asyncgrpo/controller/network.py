@@ -11,6 +11,8 @@
   endpoint's port on any address but link-local ones (cloud metadata), or open when the run
   has no credentialsSecret (its pods' cloud identity may need the metadata server or STS).
   The rule is additive: it lets the Jobs work in a namespace whose own policies deny egress.
+- the preflight Job's pod: no ingress (it imports the tenant's reward and environment modules
+  and serves nothing); egress open, as the trainer's (model, tokenizer and data sources).
 Egress of the trainer and vLLM stays open: they must reach the bucket and model storage,
 which may be anywhere.
 """
@@ -22,7 +24,7 @@ from typing import Any
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.bucket import policy as bucket
-from asyncgrpo.controller import bucketjob, gateway, sandboxes, trainer, vllm
+from asyncgrpo.controller import bucketjob, gateway, preflightjob, sandboxes, trainer, vllm
 from asyncgrpo.controller.common import COMPONENT_LABEL, metadata, name, selector, stamp
 from asyncgrpo.wire import GATEWAY_PORT, PULLER_PORT, SANDBOX_PORT, VLLM_PORT
 
@@ -143,6 +145,7 @@ def build_policies(run: AsyncGRPORun, resolved_hosts: list[str] | None = None,
         _ingress_only(run, vllm.COMPONENT, [VLLM_PORT], [trainer.COMPONENT], scrapers,
                       VLLM_PORT, pullers),
         build_bucket_policy(run),
+        _policy(run, preflightjob.COMPONENT, {"policyTypes": ["Ingress"], "ingress": []}),
     ]
     if run.spec.sandboxes is not None:
         out.append(_ingress_only(run, gateway.COMPONENT, [GATEWAY_PORT], [trainer.COMPONENT],

@@ -38,7 +38,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
 from asyncgrpo import wire
+from asyncgrpo.testing.shell import sh
 
 IMAGE_TAG = os.environ.get("IMAGE_TAG") or \
     (REPO / "pyproject.toml").read_text().split('version = "', 1)[1].split('"', 1)[0]
@@ -64,16 +64,6 @@ AGENT_SANDBOX_MS = {"p50": 92, "p99": 376}
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def sh(*argv: str, input: str | None = None, timeout: float = 600, env=None,
-       check: bool = True) -> str:
-    out = subprocess.run(list(argv), capture_output=True, text=True, input=input, check=False,
-                         timeout=timeout, env=env)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:4])}... exited {out.returncode}:\n"
-                           f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return out.stdout
 
 
 def pct(values: list[float], q: float) -> float:

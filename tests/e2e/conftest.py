@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 
 from asyncgrpo import wire
 from asyncgrpo.testing import waiting
+from asyncgrpo.testing.shell import sh
 
 REPO = Path(__file__).resolve().parents[2]
 #: the tag `make images` gave the project's images (hack/images-lib.sh: the same variable)
@@ -48,16 +48,6 @@ def _image_env() -> dict[str, str]:
     if conf.exists():
         env.setdefault("CONTAINERS_CONF", str(conf))
     return env
-
-
-def sh(*argv: str, input: str | None = None, timeout: float = 600, env=None,
-       check: bool = True) -> str:
-    out = subprocess.run(list(argv), capture_output=True, text=True, input=input, check=False,
-                         timeout=timeout, env=env)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(argv[:4])}... exited {out.returncode}:\n"
-                             f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return out.stdout
 
 
 def model_folder() -> Path:

@@ -4,6 +4,7 @@ make runs from the examples. The API client, the kubelet's part and the wait are
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
@@ -158,3 +159,29 @@ def s3_secret(s3, ns: str, name: str = "s3-credentials") -> dict:
 def fetch(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as r:
         return r.read().decode()
+
+
+@contextlib.contextmanager
+def one_page_server(path: str, body: bytes):
+    """A real HTTP server on loopback answering GET `path` with `doc["body"]` (the test may
+    change it between reads) and 404 elsewhere; yields (doc, port)."""
+    doc = {"body": body}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            page = doc["body"] if self.path == path else b"not found"
+            self.send_response(200 if self.path == path else 404)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield doc, server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()

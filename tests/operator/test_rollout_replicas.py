@@ -4,9 +4,6 @@ from the pod's /metrics over HTTP, as the operator does) and the version it serv
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 
 from asyncgrpo.api.v1alpha1 import AsyncGRPORunStatus
@@ -21,6 +18,7 @@ from asyncgrpo.controller.rollout_replicas import (
 from asyncgrpo.controller.status import Observation, compute
 from asyncgrpo.controller.tenant_io import TenantIO
 from asyncgrpo.trainer.metrics import TrainerMetrics
+from tests.operator.helpers import one_page_server
 from tests.operator.test_builders import run_of
 
 #: the lines of a vLLM 0.x /metrics page that matter here, as vLLM writes them (a counter
@@ -46,24 +44,8 @@ def vllm_pod(name, ip, phase="Running"):
 
 @pytest.fixture
 def vllm_metrics():
-    doc = {"body": VLLM_PAGE}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = doc["body"] if self.path == "/metrics" else b"not found"
-            self.send_response(200 if self.path == "/metrics" else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield doc, server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with one_page_server("/metrics", VLLM_PAGE) as served:
+        yield served
 
 
 def read(io, port):

@@ -5,8 +5,6 @@ only the operator ask."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -17,6 +15,7 @@ from asyncgrpo.controller.served import ServedWeights, puller_url, served_weight
 from asyncgrpo.controller.status import Observation, compute
 from asyncgrpo.controller.tenant_io import TenantIO
 from asyncgrpo.wire import PULLER_PORT
+from tests.operator.helpers import one_page_server
 from tests.operator.test_builders import run_of
 
 
@@ -28,24 +27,8 @@ def vllm_pod(name: str, ip: str, phase: str = "Running", deleting: bool = False)
 @pytest.fixture
 def puller_status():
     """A real HTTP server answering /status as the puller does; the test sets the body."""
-    doc: dict = {"body": b"{}"}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = doc["body"] if self.path == "/status" else b"not found"
-            self.send_response(200 if self.path == "/status" else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield doc, server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with one_page_server("/status", b"{}") as served:
+        yield served
 
 
 def read_puller(io: TenantIO, port: int) -> int | None:

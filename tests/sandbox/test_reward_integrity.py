@@ -27,6 +27,7 @@ import pytest
 
 from asyncgrpo.sandbox import environment
 from asyncgrpo.sandbox.environment import SandboxEnvironmentFactory
+from asyncgrpo.sandbox.process import COMMAND_UID_BASE
 from tests.sandbox.conftest import GW_TOKEN, start_gateway, start_sandbox, wait_until
 
 BUGGY = "def add(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
@@ -42,6 +43,8 @@ PASSING_PY = "def test_add():\n    pass\n\ndef test_mul():\n    pass\n"
 PASSING_UT = ("import unittest\n\nclass T(unittest.TestCase):\n"
               "    def test_add(self):\n        pass\n    def test_mul(self):\n        pass\n")
 USER_SITE = ".local/lib/python3.11/site-packages"
+#: the four servers' command uids (see `pool`)
+UID_BASE = COMMAND_UID_BASE - 1000
 FAKE_UT_OK = "Ran 2 tests in 0.001s\\n\\nOK\\n"
 
 
@@ -85,7 +88,11 @@ def pool(tmp_path_factory):
     """Four sandboxes, each with its own command uid (as each pod has its own filesystem),
     a small workspace quota, and a gateway with the direct data path."""
     tmp = tmp_path_factory.mktemp("integrity")
-    sbs = [start_sandbox(tmp, f"ri{i}", "--command-uid", str(65534 - i), "--command-gid", str(65534 - i),
+    # uids no other process of the machine has: a root server SIGKILLs every process of its
+    # command uid at start and at each reset (`process.kill_uid`), and 65532 (the 65534 - 2
+    # this used) is the user of the project's images, so a run of this beside the node's
+    # e2e pods killed them (exit 137); below the allocator's blocks (COMMAND_UID_BASE)
+    sbs = [start_sandbox(tmp, f"ri{i}", "--command-uid", str(UID_BASE + i), "--command-gid", str(UID_BASE + i),
                          "--max-workspace-bytes", str(16 << 20), "--max-procs", "256") for i in range(4)]
     gw = start_gateway(tmp, [s.url for s in sbs], "--lease-ttl-seconds", "20", "--health-interval-seconds", "0.3")
     with pytest.MonkeyPatch.context() as mp:

@@ -38,12 +38,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncgrpo.sandbox import pool as new_pool
-from asyncgrpo.sandbox.metrics import GatewayMetrics
+from asyncgrpo.sandbox.gateway import pool as new_pool
+from asyncgrpo.sandbox.gateway.metrics import GatewayMetrics
 
 
 def _old_pool_module():
-    src = subprocess.run(["git", "show", "main:operator/asyncgrpo/sandbox/pool.py"], capture_output=True,
+    src = subprocess.run(["git", "show", "main:operator/asyncgrpo/sandbox/gateway/pool.py"], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).parent).stdout
     path = Path(tempfile.mkdtemp()) / "old_pool.py"
     path.write_text(src)

@@ -25,7 +25,7 @@ from asyncgrpo.controller.secret import GATEWAY_TOKEN_KEY, secret_name
 from asyncgrpo.local.placement import build_placement, run_pods
 from asyncgrpo.local.pods import translate_pod
 from asyncgrpo.local.sandbox_pool import start_sandbox_part
-from asyncgrpo.sandbox.client import GatewayClient
+from asyncgrpo.sandbox.client.gateway_client import GatewayClient
 
 REPO = Path(__file__).resolve().parents[1]
 

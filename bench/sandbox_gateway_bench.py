@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from asyncgrpo.sandbox.challenge import reset_call
+from asyncgrpo.sandbox.common.challenge import reset_call
 from asyncgrpo.testing.net import free_port, wait_for_port
 
 TOKEN = "bench-sandbox-token"
@@ -182,9 +182,9 @@ async def run_batched_heartbeats(gw: str, clients: int, seconds: float) -> tuple
 def asgi_heartbeat_cost(n: int = 5000) -> float:
     """CPU seconds per heartbeat through the gateway's ASGI app alone (no HTTP server, no socket):
     the gateway's own share of a lease operation."""
-    from asyncgrpo.sandbox.gateway import GatewaySettings, create_gateway
-    from asyncgrpo.sandbox.members import StaticMembers
-    from asyncgrpo.sandbox.pool import BUSY, Lease, Member
+    from asyncgrpo.sandbox.gateway.app import GatewaySettings, create_gateway
+    from asyncgrpo.sandbox.gateway.members import StaticMembers
+    from asyncgrpo.sandbox.gateway.pool import BUSY, Lease, Member
 
     app = create_gateway(GatewaySettings(token="t", sandbox_token="s"), StaticMembers([]))
     pool = app.app.state.pool
@@ -211,7 +211,7 @@ def asgi_heartbeat_cost(n: int = 5000) -> float:
 
 _FLOOR_SERVER = r"""
 import sys, uvicorn
-from asyncgrpo.sandbox.http_guard import header_timeout_protocol
+from asyncgrpo.sandbox.common.http_guard import header_timeout_protocol
 async def app(scope, receive, send):
     if scope["type"] != "http":
         return

@@ -250,7 +250,7 @@ def pod_events(events: list[dict], ns: str, prefix: str, t0: float, t1: float,
 
 def one_lifecycle(kube: Kube, cluster, s3, config: str, args) -> dict:
     """`config`: a lifecycle, optionally `:<minWarm>` (e.g. FreshPerGroup:12)."""
-    from asyncgrpo.sandbox.client import GatewayClient
+    from asyncgrpo.sandbox.client.gateway_client import GatewayClient
 
     lifecycle, _, warm = config.partition(":")
     args = argparse.Namespace(**{**vars(args), "min_warm": int(warm) if warm else args.min_warm})

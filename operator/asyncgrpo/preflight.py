@@ -196,7 +196,7 @@ def tool_functions(run) -> list:
 
             cls = load_environment_class(env.module, getattr(env, "path", None))
         else:
-            from asyncgrpo.sandbox.environment import TOOL_NAMES, environment_class
+            from asyncgrpo.sandbox.client.environment import TOOL_NAMES, environment_class
 
             cls = environment_class(tuple(h.tools) if h.tools else TOOL_NAMES)
     except Exception:  # noqa: BLE001 - reported by check_modules

@@ -51,7 +51,7 @@ SANDBOX_WORKSPACE = "/workspace"
 #: where the kubelet reads a container's termination message (Kubernetes' default path)
 TERMINATION_LOG = "/dev/termination-log"
 
-# -- routes of `asyncgrpo gateway` the operator calls (asyncgrpo.sandbox.gateway serves them) --
+# -- routes of `asyncgrpo gateway` the operator calls (asyncgrpo.sandbox.gateway.app serves them) --
 #: open route: the pool's demand signal
 GATEWAY_DEMAND_PATH = "/v1/demand"
 #: control route (gateway token): stop leasing one member; {name} is the sandbox pod
@@ -147,7 +147,7 @@ GATEWAY_MEMBERS_ENV = GATEWAY_ENV_PREFIX + "MEMBERS"
 GATEWAY_MEMBERS_FILE_ENV = GATEWAY_ENV_PREFIX + "MEMBERS_FILE"
 GATEWAY_LIFECYCLE_ENV = GATEWAY_ENV_PREFIX + "LIFECYCLE"
 #: set by a user (never by the operator) for the processes of one trainer that must share
-#: sandbox groups; read by asyncgrpo.sandbox.client
+#: sandbox groups; read by asyncgrpo.sandbox.client.gateway_client
 GROUP_KEY_ENV = "ASYNCGRPO_GROUP_KEY"
 
 #: `asyncgrpo operator`: every flag has an ASYNCGRPO_OPERATOR_* default (the chart sets them)

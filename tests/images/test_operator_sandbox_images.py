@@ -62,7 +62,7 @@ def test_sandbox_serves_refuses_without_token_and_runs_as_its_uid(sandbox):
                     {"authorization": f"Bearer {TOKEN}"}):
         status, _ = containers.http("POST", f"{sandbox}/v1/exec", body, headers=headers)
         assert status == 401, headers
-    from asyncgrpo.sandbox.challenge import reset_call
+    from asyncgrpo.sandbox.common.challenge import reset_call
 
     secret = "lease-secret-for-the-image-test"
     status, _ = containers.http("POST", f"{sandbox}/v1/reset", {}, headers={"authorization": f"Bearer {TOKEN}"})

@@ -162,7 +162,8 @@ def test_every_panel_and_rule_the_components_feed_has_data_and_faults_fire(compo
 def test_docs_list_every_metric_with_a_unit():
     """docs/observability.md has a row for every metric the components export."""
     from asyncgrpo.controller.metrics import OperatorMetrics
-    from asyncgrpo.sandbox.metrics import GatewayMetrics, SandboxMetrics
+    from asyncgrpo.sandbox.gateway.metrics import GatewayMetrics
+    from asyncgrpo.sandbox.server.metrics import SandboxMetrics
     from asyncgrpo.trainer.metrics import METRICS, PREFIX
 
     doc = (p.REPO / "docs" / "observability.md").read_text()

@@ -62,7 +62,7 @@ def test_dashboard_and_rules_read_only_exported_metrics():
     or vLLM (whose names the next test checks against the installed vLLM's source)."""
     from asyncgrpo.controller.metrics import OperatorMetrics
     from asyncgrpo.controller.progress import METRICS
-    from asyncgrpo.sandbox.metrics import GatewayMetrics
+    from asyncgrpo.sandbox.gateway.metrics import GatewayMetrics
     from asyncgrpo.testing import prometheus
 
     # the test environment has every extra: a missing trainer is an error here, not a reason

@@ -26,7 +26,7 @@ _BASES: list[Path] = []
 @pytest.fixture(autouse=True, scope="session")
 def _remove_workspaces():
     yield
-    from asyncgrpo.sandbox.workspace import _remove
+    from asyncgrpo.sandbox.server.workspace import _remove
 
     for base in _BASES:  # iterative: a test may leave a tree nested thousands deep
         try:
@@ -124,7 +124,7 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: st
 def reset(sb: Proc, secret: str | None = LEASE) -> dict:
     """The gateway's control call: revoke the lease, wipe, install `secret` as the next one
     (sealed in the reset credential); the answer must prove the server knows the token."""
-    from asyncgrpo.sandbox.challenge import reset_call
+    from asyncgrpo.sandbox.common.challenge import reset_call
 
     call = reset_call(TOKEN, sb.url, secret)
     r = httpx.post(f"{sb.url}/v1/reset", content=call.body, headers=call.headers, timeout=120)

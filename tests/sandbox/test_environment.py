@@ -18,7 +18,7 @@ import httpx
 import pytest
 from transformers.utils import get_json_schema
 
-from asyncgrpo.sandbox.environment import SandboxEnvironmentFactory
+from asyncgrpo.sandbox.client.environment import SandboxEnvironmentFactory
 from tests.sandbox.conftest import GW_TOKEN, start_gateway, start_sandbox, wait_until
 
 CALC = "def add(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
@@ -132,8 +132,8 @@ def test_timeouts_truncation_and_refusals_come_back_as_tool_results(gateway):
 def test_the_trainer_side_needs_no_server_framework():
     """The trainer image has pydantic and httpx but not FastAPI/Starlette (the sandbox image's):
     the client, the environment and the shared message types must import without them."""
-    code = ("import sys; import asyncgrpo.sandbox.client, asyncgrpo.sandbox.environment, "
-            "asyncgrpo.sandbox.messages; "
+    code = ("import sys; import asyncgrpo.sandbox.client.gateway_client, asyncgrpo.sandbox.client.environment, "
+            "asyncgrpo.sandbox.common.messages; "
             "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

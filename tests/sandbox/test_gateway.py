@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from asyncgrpo.sandbox.client import GatewayClient
+from asyncgrpo.sandbox.client.gateway_client import GatewayClient
 from tests.sandbox.conftest import (
     GW_TOKEN,
     gw_client,
@@ -99,7 +99,7 @@ def test_groups_get_distinct_sandboxes_and_wait_when_none_is_free(pool_of_three)
 
 ROLLOUT = r"""
 import sys, time
-from asyncgrpo.sandbox.client import GatewayClient, Heartbeats
+from asyncgrpo.sandbox.client.gateway_client import GatewayClient, Heartbeats
 c = GatewayClient(sys.argv[1], sys.argv[2])
 lease = c.lease("crashy-group")
 Heartbeats.for_client(c, 0.2).add(lease)

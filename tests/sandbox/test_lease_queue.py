@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 
-from asyncgrpo.sandbox.client import GatewayClient
+from asyncgrpo.sandbox.client.gateway_client import GatewayClient
 from tests.sandbox.conftest import (
     GW_TOKEN,
     gw_client,
@@ -202,7 +202,7 @@ def test_a_waiter_outlasting_the_head_timeout_keeps_its_place_while_a_silent_con
     one client process, opening 10,000 connections at once on a busy machine, had not written
     them yet); no waiting request was ever closed. Before, those closes were not counted.
     """
-    from asyncgrpo.sandbox.http_guard import HEADER_TIMEOUT_SECONDS
+    from asyncgrpo.sandbox.common.http_guard import HEADER_TIMEOUT_SECONDS
 
     gw, first = one_busy_sandbox
     answer: dict = {}

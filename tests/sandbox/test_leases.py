@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from asyncgrpo.sandbox.client import GatewayClient, LeaseLost, SandboxError
-from asyncgrpo.sandbox.messages import ExecResult
+from asyncgrpo.sandbox.client.gateway_client import GatewayClient, LeaseLost, SandboxError
+from asyncgrpo.sandbox.common.messages import ExecResult
 from tests.sandbox.conftest import (
     GW_TOKEN,
     TOKEN,

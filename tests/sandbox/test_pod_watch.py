@@ -10,7 +10,7 @@ import httpx
 import pytest
 from kubernetes import client as k8s
 
-from asyncgrpo.sandbox.members import pod_member
+from asyncgrpo.sandbox.gateway.members import pod_member
 from asyncgrpo.testing.kube import Api
 from tests.conftest import free_port
 from tests.sandbox.conftest import gw_client, holder, start_gateway, start_sandbox, wait_until

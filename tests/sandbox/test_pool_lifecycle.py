@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-from asyncgrpo.sandbox.metrics import GatewayMetrics
-from asyncgrpo.sandbox.pool import FRESH, REUSE, Pool
+from asyncgrpo.sandbox.gateway.metrics import GatewayMetrics
+from asyncgrpo.sandbox.gateway.pool import FRESH, REUSE, Pool
 
 
 def _pool(lifecycle: str, retired: list[str], clock=None) -> Pool:

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncgrpo.sandbox.client import GatewayClient
-from asyncgrpo.sandbox.messages import EXEC_STREAM_TYPE, ExecRequest
-from asyncgrpo.sandbox.quota import disk_usage
+from asyncgrpo.sandbox.client.gateway_client import GatewayClient
+from asyncgrpo.sandbox.common.messages import EXEC_STREAM_TYPE, ExecRequest
+from asyncgrpo.sandbox.server.quota import disk_usage
 from tests.sandbox.conftest import (
     GW_TOKEN,
     lease_client,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncgrpo.sandbox.challenge import reset_call
+from asyncgrpo.sandbox.common.challenge import reset_call
 from tests.sandbox.conftest import (
     LEASE,
     TOKEN,

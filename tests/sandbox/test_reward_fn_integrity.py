@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from asyncgrpo.rewards import SandboxTestsArgs
-from asyncgrpo.sandbox import rewards
-from asyncgrpo.sandbox.rewards import sandbox_tests
+from asyncgrpo.sandbox.client import rewards
+from asyncgrpo.sandbox.client.rewards import sandbox_tests
 from tests.sandbox.conftest import GW_TOKEN, start_gateway, start_sandbox, wait_until
 
 UT_TESTS = ("import unittest\nfrom solution import square\n\n"
@@ -129,7 +129,7 @@ def test_a_completion_filling_the_quota_scores_zero_and_never_raises(gateway):
 def test_scoring_through_a_proxied_gateway(tmp_path, monkeypatch):
     """`data_path=proxied`: `/v1/leases/{id}/score` is forwarded with the lease's secret, under
     the same credential and fencing as an exec; the reward and the client use it."""
-    from asyncgrpo.sandbox.client import GatewayClient, LeaseLost
+    from asyncgrpo.sandbox.client.gateway_client import GatewayClient, LeaseLost
 
     monkeypatch.setenv("ASYNCGRPO_GATEWAY_TOKEN", GW_TOKEN)
     sb = start_sandbox(tmp_path, "px")

@@ -25,9 +25,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncgrpo.sandbox import environment
-from asyncgrpo.sandbox.environment import SandboxEnvironmentFactory
-from asyncgrpo.sandbox.process import COMMAND_UID_BASE
+from asyncgrpo.sandbox.client import environment
+from asyncgrpo.sandbox.client.environment import SandboxEnvironmentFactory
+from asyncgrpo.sandbox.server.process import COMMAND_UID_BASE
 from tests.sandbox.conftest import GW_TOKEN, start_gateway, start_sandbox, wait_until
 
 BUGGY = "def add(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"

@@ -9,7 +9,12 @@ import httpx
 import pytest
 
 from asyncgrpo.rewards import SandboxTestsArgs
-from asyncgrpo.sandbox.rewards import count_tests, extract_code, sandbox_tests, score_test_run
+from asyncgrpo.sandbox.client.rewards import (
+    count_tests,
+    extract_code,
+    sandbox_tests,
+    score_test_run,
+)
 from tests.sandbox.conftest import GW_TOKEN, start_gateway, start_sandbox, wait_until
 
 PYTEST_FILE = (

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncgrpo.sandbox.process import COMMAND_UID_BASE
+from asyncgrpo.sandbox.server.process import COMMAND_UID_BASE
 from tests.sandbox.conftest import LEASE, TOKEN, lease_client, reset, start_sandbox, wait_until
 
 # the classic bomb, kept alive by its first shell so the exec runs into its timeout

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncgrpo.sandbox.sizing import desired_pool_size
+from asyncgrpo.sandbox.operator.sizing import desired_pool_size
 
 
 def size(**kw):

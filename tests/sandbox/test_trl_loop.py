@@ -24,7 +24,7 @@ datasets = pytest.importorskip("datasets")
 
 
 def test_trl_rollout_loop_probes_and_calls_the_sandbox_environment(tmp_path, monkeypatch):
-    from asyncgrpo.sandbox.environment import SandboxEnvironmentFactory
+    from asyncgrpo.sandbox.client.environment import SandboxEnvironmentFactory
     from asyncgrpo.trainer.tiny_tokenizer import tiny_tokenizer
 
     # a sandbox per rollout (siblings never share one): two for the group of two

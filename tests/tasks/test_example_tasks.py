@@ -16,7 +16,7 @@ from transformers.utils import get_json_schema
 
 from asyncgrpo.api import load_run
 from asyncgrpo.preflight import check_modules
-from asyncgrpo.sandbox.environment import SandboxEnvConfig
+from asyncgrpo.sandbox.client.environment import SandboxEnvConfig
 from asyncgrpo.trainer.data import parse_jsonl
 from asyncgrpo.trainer.environments import UserEnvironmentFactory
 from asyncgrpo.trainer.rewards import build_rewards

@@ -15,7 +15,7 @@ from transformers.utils import get_json_schema
 
 from asyncgrpo.api import AsyncGRPORun
 from asyncgrpo.api.validation import semantic_errors
-from asyncgrpo.sandbox.environment import SandboxEnvConfig
+from asyncgrpo.sandbox.client.environment import SandboxEnvConfig
 from asyncgrpo.trainer.environments import UserEnvironmentFactory
 from asyncgrpo.trainer.main import environment_factory
 from asyncgrpo.trainer.runtime_env import RuntimeEnv

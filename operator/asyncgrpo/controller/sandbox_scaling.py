@@ -32,9 +32,9 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from asyncgrpo.api.v1alpha1 import SandboxSpec
-from asyncgrpo.sandbox.sizing import desired_pool_size
+from asyncgrpo.sandbox.operator.sizing import desired_pool_size
 
-#: Gateway member states (asyncgrpo.sandbox.pool) a pod may be drained and deleted in.
+#: Gateway member states (asyncgrpo.sandbox.gateway.pool) a pod may be drained and deleted in.
 DELETABLE_STATES = frozenset({"warm", "draining"})
 #: Gateway member states whose pods are deleted at once and replaced: out of service, or
 #: retired after serving their one group (lifecycle FreshPerGroup).
@@ -43,7 +43,7 @@ REPLACED_STATES = frozenset({"unhealthy", "retired"})
 
 @dataclass(frozen=True)
 class Demand:
-    """The gateway's demand signal (`GET /v1/demand`, asyncgrpo.sandbox.pool.Pool.demand)."""
+    """The gateway's demand signal (`GET /v1/demand`, asyncgrpo.sandbox.gateway.pool.Pool.demand)."""
 
     busy: int = 0
     idle: int = 0
@@ -171,7 +171,7 @@ def plan(spec: SandboxSpec, pods: list[PodView], pending_creates: set[str],
          suspended: bool = False, max_step: int = 64, resync_seconds: float = 10.0) -> Plan:
     """Creations and deletions that move the pool toward `desired_pool_size`.
 
-    Sizing is the sandbox gateway's rule (`asyncgrpo.sandbox.sizing`); this adds what only
+    Sizing is the sandbox gateway's rule (`asyncgrpo.sandbox.operator.sizing`); this adds what only
     the operator knows: in-flight creations and deletions (expectations), Kubernetes-level
     failures (kept and counted, so a pod that cannot run is not recreated in a loop), and
     `idleTtlSeconds`: idle pods are removed only after the pool has been above its target

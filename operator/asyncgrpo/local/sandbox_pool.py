@@ -9,7 +9,7 @@ one group) or `unhealthy`, and creates replacements, sized by the gateway's dema
   named `<run>-sandbox-local<n>`, never a name twice) and translated like every other pod
   (`asyncgrpo.local.pods`), with a loopback address and volume directories of its own;
 - the gateway follows the pool's members file (`placement.members_file`, a JSON object
-  pod name -> URL, replaced atomically; `--members-file`, `sandbox.members.FileMembers`) as
+  pod name -> URL, replaced atomically; `--members-file`, `sandbox.gateway.members.FileMembers`) as
   a cluster gateway follows its pod watch;
 - every `POLL_SECONDS` the pool reads the gateway's `/v1/demand` (the open route the
   operator reads): a member in `REPLACED_STATES` (retired, unhealthy) or whose process
@@ -53,8 +53,8 @@ from asyncgrpo.local.placement import (
 )
 from asyncgrpo.local.pods import LocalPlacement, LocalProcess, translate_pod
 from asyncgrpo.local.processes import ManagedProcess
-from asyncgrpo.sandbox.pool import BUSY, RETIRED, WARM
-from asyncgrpo.sandbox.sizing import desired_pool_size
+from asyncgrpo.sandbox.gateway.pool import BUSY, RETIRED, WARM
+from asyncgrpo.sandbox.operator.sizing import desired_pool_size
 
 log = logging.getLogger("asyncgrpo.local.sandbox_pool")
 

@@ -56,7 +56,7 @@ class NumericMatchArgs:
 @dataclass(frozen=True)
 class SandboxTestsArgs:
     """The share of the row's tests that pass with the completion's code as `solution_path`,
-    scored in a sandbox of its own (`asyncgrpo.sandbox.rewards`). `test_command` and `files`
+    scored in a sandbox of its own (`asyncgrpo.sandbox.client.rewards`). `test_command` and `files`
     given here hold for every row; otherwise they are the data set's columns of those names."""
 
     __pydantic_config__ = _STRICT

@@ -29,7 +29,7 @@ BUILTINS: dict[str, Builtin] = {
     "exact_match": Builtin(ExactMatchArgs, "asyncgrpo.rewards.builtin:exact_match"),
     "regex_match": Builtin(RegexMatchArgs, "asyncgrpo.rewards.builtin:regex_match"),
     "numeric_match": Builtin(NumericMatchArgs, "asyncgrpo.rewards.builtin:numeric_match"),
-    "sandbox_tests": Builtin(SandboxTestsArgs, "asyncgrpo.sandbox.rewards:sandbox_tests"),
+    "sandbox_tests": Builtin(SandboxTestsArgs, "asyncgrpo.sandbox.client.rewards:sandbox_tests"),
 }
 
 #: `name: python` loads the user's function named by `module`; its args are its own.

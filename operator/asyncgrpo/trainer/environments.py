@@ -67,7 +67,7 @@ def check_environment_class(cls: type, args: dict[str, Any], with_sandbox: bool)
 
 @functools.cache
 def _task_sandbox_class() -> type:
-    from asyncgrpo.sandbox.environment import SandboxHandle
+    from asyncgrpo.sandbox.client.environment import SandboxHandle
 
     class TaskSandbox(SandboxHandle):
         __doc__ = SandboxHandle.__doc__

@@ -143,7 +143,7 @@ def environment_factory(run, env: RuntimeEnv):
     h = run.spec.harness
     if h.type != "multi-turn":
         return None
-    from asyncgrpo.sandbox.environment import SandboxEnvConfig, SandboxEnvironmentFactory
+    from asyncgrpo.sandbox.client.environment import SandboxEnvConfig, SandboxEnvironmentFactory
 
     kw = {}
     if h.tools:

@@ -7,7 +7,7 @@ spawned child process and pickles them there.
 
 The calling convention, the built-ins and their arguments are `asyncgrpo.rewards`'s (its
 table names each built-in's function; `sandbox_tests` lives with the sandbox client, in
-`asyncgrpo.sandbox.rewards`, imported when the first group is scored). `python` loads a user
+`asyncgrpo.sandbox.client.rewards`, imported when the first group is scored). `python` loads a user
 function, `module="pkg.mod:fn"`, with the same calling convention and its `args` as keyword
 arguments.
 """

@@ -19,7 +19,7 @@ ASYNCGRPO_VLLM_REPLICAS        the replicas for group-affine routing: a DNS name
 ASYNCGRPO_VLLM_PULLER_PORT     full fine-tuning: the replicas' puller port; new groups go
                                to replicas serving the newest version, none mid-swap
 ASYNCGRPO_GATEWAY_URL          sandbox gateway root (multi-turn tools, sandbox_tests)
-ASYNCGRPO_GATEWAY_TOKEN        gateway bearer token (read by asyncgrpo.sandbox.client)
+ASYNCGRPO_GATEWAY_TOKEN        gateway bearer token (read by asyncgrpo.sandbox.client.gateway_client)
 ASYNCGRPO_S3_ENDPOINT          overrides spec.adapterStore.endpoint (else
                                AWS_ENDPOINT_URL_S3, else the spec)
 AWS_ACCESS_KEY_ID,             bucket credentials (from spec.adapterStore.credentialsSecret);

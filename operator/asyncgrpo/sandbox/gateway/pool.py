@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from asyncgrpo.sandbox.metrics import GatewayMetrics
+from asyncgrpo.sandbox.gateway.metrics import GatewayMetrics
 
 STARTING, RESETTING, WARM, BUSY, UNHEALTHY, DRAINING, RETIRED = (
     "starting", "resetting", "warm", "busy", "unhealthy", "draining", "retired",

@@ -1,9 +1,5 @@
-"""`asyncgrpo sandbox serve` and `asyncgrpo gateway`: flags, each with an environment default.
-
-Every flag can also come from an `ASYNCGRPO_SANDBOX_*` / `ASYNCGRPO_GATEWAY_*` variable, so
-the operator's pod builders set env and never assemble command lines. Tokens come only from
-the environment or a file, never from a flag: argv is world-readable in /proc.
-"""
+"""`asyncgrpo sandbox serve`: the sandbox server's flags, each with an environment default
+(`ASYNCGRPO_SANDBOX_*`; common/serving.py), and its start: command uid, limits, hardening."""
 
 from __future__ import annotations
 
@@ -12,13 +8,11 @@ import logging
 import os
 import sys
 
-from asyncgrpo.sandbox.quota import DEFAULT_MAX_WORKSPACE_BYTES
+from asyncgrpo.sandbox.common.serving import add_flag as _add
+from asyncgrpo.sandbox.common.serving import bind_host as _bind_host
+from asyncgrpo.sandbox.common.serving import read_token, uvicorn_config
+from asyncgrpo.sandbox.server.quota import DEFAULT_MAX_WORKSPACE_BYTES
 from asyncgrpo.wire import (
-    BIND_HOST_ENV,
-    GATEWAY_ENV_PREFIX,
-    GATEWAY_PORT,
-    GATEWAY_TOKEN_ENV,
-    LOG_LEVEL_ENV,
     SANDBOX_ENV_PREFIX,
     SANDBOX_PORT,
     SANDBOX_TOKEN_ENV,
@@ -26,26 +20,8 @@ from asyncgrpo.wire import (
 )
 
 
-def _add(p: argparse.ArgumentParser, flag: str, env: str, default, type_=str, help_=""):
-    # argparse runs `type` on a string default, so a value from the environment is parsed
-    # (and rejected) exactly like one from the command line
-    p.add_argument(flag, default=os.environ.get(env, default), type=type_,
-                   help=f"{help_} [env {env}; default {default}]".strip())
-
-
-def read_token(env_name: str, file_path: str | None) -> str:
-    """Read the token, then drop it from this process's environment so no child inherits it."""
-    token = os.environ.pop(env_name, "")
-    if file_path:
-        with open(file_path) as f:
-            token = f.read().strip()
-    if not token:
-        raise SystemExit(f"no token: set {env_name} (or --token-file); every request must carry it")
-    return token
-
-
 def register(subparsers) -> None:
-    bind_host = os.environ.get(BIND_HOST_ENV) or "0.0.0.0"
+    bind_host = _bind_host()
     sb = subparsers.add_parser("sandbox", help="the sandbox server that runs in each sandbox pod")
     sbsub = sb.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
     serve = sbsub.add_parser("serve", help="serve exec/files/reset over HTTP")
@@ -91,80 +67,9 @@ def register(subparsers) -> None:
                "namespace, where nothing else lives); empty: none")
     serve.set_defaults(func=serve_sandbox)
 
-    gw = subparsers.add_parser("gateway", help="the per-run gateway that leases sandboxes to rollout groups")
-    G = GATEWAY_ENV_PREFIX
-    _add(gw, "--host", G + "HOST", bind_host)
-    _add(gw, "--port", G + "PORT", GATEWAY_PORT, int)
-    _add(gw, "--members", G + "MEMBERS", None,
-         help_="comma-separated sandbox base URLs (a fixed list: run `reuse`); omit to watch pods on Kubernetes")
-    _add(gw, "--members-file", G + "MEMBERS_FILE", None,
-         help_="JSON file {name: base URL} of the sandboxes, followed while the gateway runs (the local "
-               "backend's pool rewrites it as it replaces retired sandboxes); omit to watch pods")
-    _add(gw, "--namespace", G + "NAMESPACE", None,
-         help_="namespace of the sandbox pods (default: the gateway pod's own namespace)")
-    _add(gw, "--selector", G + "SELECTOR", None, help_="label selector of the run's sandbox pods")
-    _add(gw, "--sandbox-port", G + "SANDBOX_PORT", SANDBOX_PORT, int, help_="port of the sandbox server in pods")
-    _add(gw, "--token-file", G + "TOKEN_FILE", None, help_=f"file holding {GATEWAY_TOKEN_ENV}")
-    _add(gw, "--sandbox-token-file", G + "SANDBOX_TOKEN_FILE", None, help_=f"file holding {SANDBOX_TOKEN_ENV}")
-    _add(gw, "--lease-ttl-seconds", G + "LEASE_TTL_SECONDS", 60.0, float,
-         help_="a lease with no heartbeat or call for this long is taken back")
-    _add(gw, "--lease-max-seconds", G + "LEASE_MAX_SECONDS", 6 * 3600.0, float,
-         help_="hard limit on one lease's life, heartbeats or not")
-    _add(gw, "--max-wait-seconds", G + "MAX_WAIT_SECONDS", 300.0, float,
-         help_="longest a lease request may wait for a sandbox")
-    _add(gw, "--health-interval-seconds", G + "HEALTH_INTERVAL_SECONDS", 5.0, float)
-    _add(gw, "--health-timeout-seconds", G + "HEALTH_TIMEOUT_SECONDS", 3.0, float)
-    _add(gw, "--health-failures", G + "HEALTH_FAILURES", 2, int,
-         help_="consecutive failed health checks that take a sandbox out")
-    _add(gw, "--max-body-bytes", G + "MAX_BODY_BYTES", 1 << 20, int,
-         help_="largest JSON request body; proxied streamed execs pass their stdin through")
-    _add(gw, "--max-exec-seconds", G + "MAX_EXEC_SECONDS", 600.0, float,
-         help_="upper bound of a proxied exec (the sandbox enforces its own)")
-    _add(gw, "--data-path", G + "DATA_PATH", "direct", help_="direct: clients call the leased sandbox "
-         "themselves (the lease gives its address); proxied: through the gateway (when the "
-         "trainer may not reach sandbox pods)")
-    _add(gw, "--lifecycle", G + "LIFECYCLE", "fresh", help_="fresh: a sandbox serves one group, then "
-         "is retired and its pod replaced by the operator; reuse: reset and leased again (trusted "
-         "workloads). A fixed --members list cannot be replaced and runs reuse; a --members-file can")
-    _add(gw, "--max-waiters-per-client", G + "MAX_WAITERS_PER_CLIENT", 1024, int,
-         help_="lease requests one client address may have waiting; more are refused with 429")
-    gw.set_defaults(func=serve_gateway)
-
 
 def _uid_arg(value: str) -> int | None:
     return None if str(value) == "auto" else int(value)
-
-
-def _uvicorn_run(app, host: str, port: int) -> int:
-    import uvicorn
-
-    uvicorn.Server(_uvicorn_config(app, host, port)).run()
-    return 0
-
-
-def _uvicorn_config(app, host: str, port: int, **extra):
-    import uvicorn
-
-    from asyncgrpo.sandbox.http_guard import header_timeout_protocol
-
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=os.environ.get(LOG_LEVEL_ENV, "warning").lower(),
-        access_log=False,
-        timeout_keep_alive=30,  # the gateway's client drops idle connections at 15 s
-        # h11 enforces the header size cap below (httptools would not); the subclass closes
-        # connections that do not finish their request head within 10 s
-        http=header_timeout_protocol(on_expire=getattr(app, "on_reject", None)),
-        # asyncio's own loop: uvicorn would pick uvloop wherever it is installed (uvicorn
-        # [standard], trackio, ...), and uvloop's subprocess_exec refuses user/group: every
-        # exec of a sandbox that drops to the command uid would answer 500
-        loop="asyncio",
-        backlog=4096,
-        h11_max_incomplete_event_size=64 * 1024,  # caps request line + headers
-        **extra,
-    )
 
 
 def serve_sandbox(args: argparse.Namespace) -> int:
@@ -172,8 +77,9 @@ def serve_sandbox(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from asyncgrpo.sandbox.cgroup import CommandCgroup
-    from asyncgrpo.sandbox.process import (
+    from asyncgrpo.sandbox.server.app import SandboxServer, ServerSettings
+    from asyncgrpo.sandbox.server.cgroup import CommandCgroup
+    from asyncgrpo.sandbox.server.process import (
         CommandLimits,
         allocate_command_uid,
         find_launcher,
@@ -181,8 +87,7 @@ def serve_sandbox(args: argparse.Namespace) -> int:
         inherit_limits,
         kill_uid,
     )
-    from asyncgrpo.sandbox.server import SandboxServer, ServerSettings
-    from asyncgrpo.sandbox.stopping import StopSignals
+    from asyncgrpo.sandbox.server.stopping import StopSignals
 
     token = read_token(SANDBOX_TOKEN_ENV, args.token_file)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -239,7 +144,7 @@ def serve_sandbox(args: argparse.Namespace) -> int:
         wipe_dirs=wipe_dirs,
     )
     sandbox = SandboxServer(settings)
-    server = uvicorn.Server(_uvicorn_config(sandbox.asgi(), args.host, args.port, timeout_graceful_shutdown=10))
+    server = uvicorn.Server(uvicorn_config(sandbox.asgi(), args.host, args.port, timeout_graceful_shutdown=10))
 
     async def stop() -> None:
         if server.should_exit:
@@ -286,44 +191,3 @@ def _check_traversable(path: str, uid: int, gid: int | None) -> None:
         if parent == current:
             return
         current = parent
-
-
-def serve_gateway(args: argparse.Namespace) -> int:
-    from asyncgrpo.sandbox.gateway import create_gateway
-    from asyncgrpo.sandbox.members import member_source_from_args
-    from asyncgrpo.sandbox.process import make_non_dumpable
-
-    token = read_token(GATEWAY_TOKEN_ENV, args.token_file)
-    sandbox_token = read_token(SANDBOX_TOKEN_ENV, args.sandbox_token_file)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    # popping the tokens from os.environ leaves them in /proc/<pid>/environ (the initial
-    # environment block): non-dumpable makes that file root's, so a sandbox command under
-    # the same uid (non-root local mode) cannot read either token
-    if not make_non_dumpable():
-        logging.getLogger("asyncgrpo.gateway").warning("could not make the gateway non-dumpable")
-    try:
-        settings = _gateway_settings(args, token, sandbox_token)
-    except ValueError as err:
-        raise SystemExit(f"gateway: {err}") from err
-    source = member_source_from_args(args)
-    return _uvicorn_run(create_gateway(settings, source), args.host, args.port)
-
-
-def _gateway_settings(args: argparse.Namespace, token: str, sandbox_token: str):
-    from asyncgrpo.sandbox.gateway import GatewaySettings
-
-    return GatewaySettings(
-        token=token,
-        sandbox_token=sandbox_token,
-        lease_ttl_seconds=args.lease_ttl_seconds,
-        lease_max_seconds=args.lease_max_seconds,
-        max_wait_seconds=args.max_wait_seconds,
-        health_interval_seconds=args.health_interval_seconds,
-        health_timeout_seconds=args.health_timeout_seconds,
-        health_failures=args.health_failures,
-        max_body_bytes=args.max_body_bytes,
-        max_exec_seconds=args.max_exec_seconds,
-        data_path=args.data_path,
-        lifecycle=args.lifecycle,
-        max_waiters_per_client=args.max_waiters_per_client,
-    )

@@ -26,7 +26,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-log = logging.getLogger("asyncgrpo.sandbox.cgroup")
+log = logging.getLogger("asyncgrpo.sandbox.server.cgroup")
 
 
 def _v1_mounts() -> dict[str, str]:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 from urllib.parse import urlparse
 
-log = logging.getLogger("asyncgrpo.sandbox.members")
+log = logging.getLogger("asyncgrpo.sandbox.gateway.members")
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 

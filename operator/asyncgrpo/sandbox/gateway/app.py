@@ -48,9 +48,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asyncgrpo import wire
-from asyncgrpo.sandbox.challenge import reset_call
-from asyncgrpo.sandbox.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
-from asyncgrpo.sandbox.messages import (
+from asyncgrpo.sandbox.common.challenge import reset_call
+from asyncgrpo.sandbox.common.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
+from asyncgrpo.sandbox.common.messages import (
     EXEC_STREAM_TYPE,
     ApiError,
     ExecRequest,
@@ -60,8 +60,8 @@ from asyncgrpo.sandbox.messages import (
     api_error_response,
     read_stream_head,
 )
-from asyncgrpo.sandbox.metrics import GatewayMetrics
-from asyncgrpo.sandbox.pool import (
+from asyncgrpo.sandbox.gateway.metrics import GatewayMetrics
+from asyncgrpo.sandbox.gateway.pool import (
     FRESH,
     RETIRED,
     REUSE,
@@ -74,7 +74,7 @@ from asyncgrpo.sandbox.pool import (
     group_scope,
 )
 
-log = logging.getLogger("asyncgrpo.sandbox.gateway")
+log = logging.getLogger("asyncgrpo.sandbox.gateway.app")
 
 # extra time a proxied exec may take beyond its own timeout (kill, drain, transfer); the
 # sandbox counts its queueing in the timeout, so a sandbox silent past this is hung
@@ -269,7 +269,7 @@ class Gateway:
         """Reset the sandbox and install the secret of its next lease (one reset, one secret)."""
         secret = secrets.token_urlsafe(32)
         # the token is never sent: the credential is made with it, the secret rides sealed,
-        # and the answer must prove the sandbox knows the token (asyncgrpo.sandbox.challenge)
+        # and the answer must prove the sandbox knows the token (asyncgrpo.sandbox.common.challenge)
         call = reset_call(self.settings.sandbox_token, m.url, secret)
         m.next_secret = None
         try:

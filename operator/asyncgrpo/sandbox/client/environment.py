@@ -35,8 +35,8 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-from asyncgrpo.sandbox import rewards
-from asyncgrpo.sandbox.client import (
+from asyncgrpo.sandbox.client import rewards
+from asyncgrpo.sandbox.client.gateway_client import (
     GatewayClient,
     Heartbeats,
     LeaseLost,
@@ -44,10 +44,10 @@ from asyncgrpo.sandbox.client import (
     SandboxError,
     shared_client,
 )
-from asyncgrpo.sandbox.messages import ExecResult
-from asyncgrpo.sandbox.rewards import prints_counts, score_test_run
+from asyncgrpo.sandbox.client.rewards import prints_counts, score_test_run
+from asyncgrpo.sandbox.common.messages import ExecResult
 
-log = logging.getLogger("asyncgrpo.sandbox.environment")
+log = logging.getLogger("asyncgrpo.sandbox.client.environment")
 
 TOOL_NAMES = ("shell", "python", "read_file", "write_file")
 _LOST = "error: the sandbox was lost and its files with it; the next call starts a fresh sandbox"

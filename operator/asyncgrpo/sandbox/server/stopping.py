@@ -33,9 +33,9 @@ import signal
 import threading
 from collections.abc import Callable
 
-from asyncgrpo.sandbox.process import STOP_SIGNALS, descendants
+from asyncgrpo.sandbox.server.process import STOP_SIGNALS, descendants
 
-log = logging.getLogger("asyncgrpo.sandbox.stopping")
+log = logging.getLogger("asyncgrpo.sandbox.server.stopping")
 
 
 def _ignore_in_handler(signum, _frame) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from asyncgrpo.rewards import SandboxTestsArgs, completion_text, per_row
 
-log = logging.getLogger("asyncgrpo.sandbox.rewards")
+log = logging.getLogger("asyncgrpo.sandbox.client.rewards")
 
 _FAILURES: collections.Counter[str] = collections.Counter()
 _FAILURES_LOCK = threading.Lock()
@@ -204,7 +204,7 @@ _GROUP = uuid.uuid4().hex[:10]  # lease group ids unique across processes (each 
 def _score_one(gateway_url: str | None, command: str | list, files: dict[str, str], solution_path: str,
                code: str, timeout_seconds: float, lease_wait_seconds: float) -> float | None:
     """One completion in one sandbox of its own; see `sandbox_tests` for what each failure scores."""
-    from asyncgrpo.sandbox.client import (
+    from asyncgrpo.sandbox.client.gateway_client import (
         Heartbeats,
         LeaseLost,
         NoSandbox,

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import httpx
 
-from asyncgrpo.sandbox.messages import (
+from asyncgrpo.sandbox.common.messages import (
     EXEC_STREAM_TYPE,
     ExecRequest,
     ExecResult,

@@ -46,9 +46,8 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from asyncgrpo.sandbox.cgroup import CommandCgroup
-from asyncgrpo.sandbox.challenge import NonceLedger, ResetTicket, open_reset, proof
-from asyncgrpo.sandbox.http_guard import (
+from asyncgrpo.sandbox.common.challenge import NonceLedger, ResetTicket, open_reset, proof
+from asyncgrpo.sandbox.common.http_guard import (
     Grant,
     GuardMiddleware,
     Refused,
@@ -57,7 +56,7 @@ from asyncgrpo.sandbox.http_guard import (
     parse_body,
     validate,
 )
-from asyncgrpo.sandbox.messages import (
+from asyncgrpo.sandbox.common.messages import (
     ApiError,
     ExecRequest,
     ExecResult,
@@ -71,13 +70,14 @@ from asyncgrpo.sandbox.messages import (
     api_error_response,
     read_stream_head,
 )
-from asyncgrpo.sandbox.metrics import SandboxMetrics
-from asyncgrpo.sandbox.process import CommandLimits, Revoked, Runner, use_pidfd_child_watcher
-from asyncgrpo.sandbox.quota import DEFAULT_MAX_WORKSPACE_BYTES, WorkspaceMeter
-from asyncgrpo.sandbox.residue import Residue
-from asyncgrpo.sandbox.workspace import PathRefused, QuotaExceeded, Workspace
+from asyncgrpo.sandbox.server.cgroup import CommandCgroup
+from asyncgrpo.sandbox.server.metrics import SandboxMetrics
+from asyncgrpo.sandbox.server.process import CommandLimits, Revoked, Runner, use_pidfd_child_watcher
+from asyncgrpo.sandbox.server.quota import DEFAULT_MAX_WORKSPACE_BYTES, WorkspaceMeter
+from asyncgrpo.sandbox.server.residue import Residue
+from asyncgrpo.sandbox.server.workspace import PathRefused, QuotaExceeded, Workspace
 
-log = logging.getLogger("asyncgrpo.sandbox.server")
+log = logging.getLogger("asyncgrpo.sandbox.server.app")
 DEFAULT_COMMAND_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 QUOTA_CHECK_SECONDS = 1.0
 #: where `/v1/score` builds the scoring session and its HOME (not a valid session name: no
@@ -580,7 +580,7 @@ class SandboxServer:
         req = await parse_body(request, ResetRequest) if raw.strip() else ResetRequest()
         if req.lease_secret is not None:
             raise ApiError(422, "invalid_request", "the next lease's secret travels sealed in the reset "
-                           "credential (asyncgrpo.sandbox.challenge), never in the body")
+                           "credential (asyncgrpo.sandbox.common.challenge), never in the body")
         secret = ticket.lease_secret
         if secret is not None and len(secret) < 16:
             raise ApiError(422, "invalid_request", "a lease secret is at least 16 characters")

@@ -25,9 +25,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-from asyncgrpo.sandbox.workspace import _DIR_FLAGS, remove_entry
+from asyncgrpo.sandbox.server.workspace import _DIR_FLAGS, remove_entry
 
-log = logging.getLogger("asyncgrpo.sandbox.residue")
+log = logging.getLogger("asyncgrpo.sandbox.server.residue")
 _IPC_RMID = 0
 
 

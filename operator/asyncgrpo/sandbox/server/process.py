@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import os
@@ -34,12 +33,12 @@ from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from asyncgrpo.sandbox.common.prctl import PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, prctl
+
 if TYPE_CHECKING:
-    from asyncgrpo.sandbox.cgroup import CommandCgroup
+    from asyncgrpo.sandbox.server.cgroup import CommandCgroup
 
 _READ_CHUNK = 64 * 1024
-_PR_SET_DUMPABLE = 4
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 #: the signals that stop the server; blocked in every server thread (`stopping.StopSignals`
@@ -163,14 +162,6 @@ class CappedBuffer:
         return bytes(self._head) + note + tail
 
 
-def _prctl(option: int, value: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
 def use_pidfd_child_watcher() -> bool:
     """Python 3.11 watches each child from its own thread; pidfds need none.
 
@@ -193,11 +184,6 @@ def use_pidfd_child_watcher() -> bool:
         asyncio.set_child_watcher(watcher)
         watcher.attach_loop(asyncio.get_running_loop())
     return True
-
-
-def make_non_dumpable() -> bool:
-    """/proc/<pid>/environ and /mem become root's and ptrace is refused (same-uid readers)."""
-    return _prctl(_PR_SET_DUMPABLE, 0)
 
 
 #: root mode: each server takes a block of uids of its own (the first is its command uid;
@@ -240,8 +226,8 @@ def harden_server_process() -> dict[str, bool]:
     cannot read the token the server was started with.
     """
     return {
-        "subreaper": _prctl(_PR_SET_CHILD_SUBREAPER, 1),
-        "non_dumpable": _prctl(_PR_SET_DUMPABLE, 0),
+        "subreaper": prctl(PR_SET_CHILD_SUBREAPER, 1),
+        "non_dumpable": prctl(PR_SET_DUMPABLE, 0),
     }
 
 

@@ -1,0 +1,2 @@
+"""The operator side: `sizing`, the pool-sizing rule `controller.sandbox_scaling` and the
+local backend's pool apply. Pure: imports nothing of the sandbox package."""

@@ -125,6 +125,78 @@ def test_reconcile_leaves_the_sandbox_pool_to_sandbox_io():
             imported.update(a.name for a in node.names)
     assert not any(n.startswith("asyncgrpo.controller.sandbox_scaling") for n in imported)
     assert "asyncgrpo.controller.sandbox_io" in imported
+# ------------------------------------------------ sandbox: one subpackage per process
+
+#: asyncgrpo.sandbox's subpackages, named for the process their code runs in, and the ones of
+#: them each may import: `common` is what they share; none reaches into another's process.
+SANDBOX_MAY_IMPORT = {
+    "common": set(),                 # wire types, reset challenge, HTTP hardening, serving helpers
+    "server": {"common"},            # the sandbox server, in each sandbox pod
+    "gateway": {"common"},           # the per-run gateway
+    "client": {"common"},            # the trainer side: gateway client, environment, reward
+    "operator": set(),               # the pool-sizing rule the operator applies
+}
+
+
+def sandbox_import_violations(imports: dict[str, set[str]]) -> list[str]:
+    """`file imports module` for each import of a sandbox subpackage it may not import."""
+    bad = []
+    for path, names in imports.items():
+        parts = path.split("/")
+        if len(parts) < 3:   # sandbox/__init__.py
+            continue
+        own = parts[1]
+        allowed = SANDBOX_MAY_IMPORT.get(own)
+        for name in names:
+            if not name.startswith("asyncgrpo.sandbox"):
+                continue
+            target = name.split(".")[2] if name.count(".") >= 2 else None
+            if allowed is None or target is None or (target != own and target not in allowed):
+                bad.append(f"{path} imports {name}")
+    return bad
+
+
+def test_sandbox_subpackages_keep_to_their_process():
+    """Issue 27: asyncgrpo.sandbox held four processes' code side by side (server, gateway,
+    client, the operator's sizing). Each is a subpackage now; the server never imports the
+    gateway or the client, the client neither the server nor the gateway, and so on."""
+    imports = imports_of("sandbox")
+    found = {p.split("/")[1] for p in imports if p.count("/") >= 2}
+    assert found == set(SANDBOX_MAY_IMPORT), found
+    assert [p for p in imports if p.count("/") < 2] == ["sandbox/__init__.py"], imports
+    assert not sandbox_import_violations(imports)
+
+
+def test_sandbox_import_rule_catches_a_wrong_import():
+    """The rule above, on imports it must refuse (and one it must allow)."""
+    assert sandbox_import_violations({
+        "sandbox/server/app.py": {"asyncgrpo.sandbox.gateway.pool"},
+        "sandbox/client/environment.py": {"asyncgrpo.sandbox.server.process"},
+        "sandbox/gateway/app.py": {"asyncgrpo.sandbox.client.gateway_client"},
+        "sandbox/common/messages.py": {"asyncgrpo.sandbox.server"},
+        "sandbox/operator/sizing.py": {"asyncgrpo.sandbox.common.messages"},
+        "sandbox/server/quota.py": {"asyncgrpo.sandbox"},
+        "sandbox/server/residue.py": {"asyncgrpo.sandbox.server.workspace",
+                                      "asyncgrpo.sandbox.common.messages"},
+    }) == [
+        "sandbox/server/app.py imports asyncgrpo.sandbox.gateway.pool",
+        "sandbox/client/environment.py imports asyncgrpo.sandbox.server.process",
+        "sandbox/gateway/app.py imports asyncgrpo.sandbox.client.gateway_client",
+        "sandbox/common/messages.py imports asyncgrpo.sandbox.server",
+        "sandbox/operator/sizing.py imports asyncgrpo.sandbox.common.messages",
+        "sandbox/server/quota.py imports asyncgrpo.sandbox",
+    ]
+
+
+def test_operator_side_takes_only_the_sizing_rule_of_the_sandbox_package():
+    """The operator (`controller/`) runs none of the sandbox processes' code: of
+    asyncgrpo.sandbox it imports only `operator` (the pool-sizing rule)."""
+    bad = [f"{path} imports {name}" for path, names in imports_of("controller").items()
+           for name in names if name.startswith("asyncgrpo.sandbox")
+           and not name.startswith("asyncgrpo.sandbox.operator")]
+    assert not bad, bad
+
+
 # ------------------------------------------------ storage: the one S3 layer and versioned store
 
 #: The S3 client's request methods: only `asyncgrpo.storage` calls them. Besides it, the

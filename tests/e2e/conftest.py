@@ -80,8 +80,7 @@ def _derived_images() -> dict[str, str]:
                       (f"ghcr.io/asyncgrpo/vllm:{IMAGE_TAG}", E2E_VLLM_IMAGE)):
         (ctx / "Containerfile").write_text(
             f"FROM {base}\nCOPY {model.name} {MODEL_PATH}\nCOPY {moe.name} {MOE_MODEL_PATH}\n")
-        sh("podman", "build", "--pull=never", "--isolation", "chroot", "-t", ref,
-           "-f", str(ctx / "Containerfile"), str(ctx), env=_image_env())
+        podman_build(ref, ctx)
         built[ref] = base
     return built
 
@@ -97,6 +96,28 @@ def _containerd_config_digest(node, ref: str) -> str | None:
         return json.loads(manifest).get("config", {}).get("digest")
     except ValueError:
         return None
+
+
+def import_into_node(node, ref: str, workdir: Path) -> None:
+    """Put podman's image `ref` into the node's containerd (imagePullPolicy: Never), unless
+    containerd already holds that very image: its store is a cache across runs."""
+    image_id = sh("podman", "image", "inspect", "--format", "{{.Id}}", ref,
+                  env=_image_env()).strip()
+    if _containerd_config_digest(node, ref) == f"sha256:{image_id}":
+        return
+    archive = workdir / (ref.replace("/", "_").replace(":", "_") + ".tar")
+    sh("podman", "save", "--format", "docker-archive", "-o", str(archive), ref,
+       env=_image_env())
+    node.ctr("images", "import", str(archive), timeout=900)
+    archive.unlink()
+
+
+def podman_build(ref: str, context: Path, containerfile: Path | None = None,
+                 build_args: dict[str, str] | None = None) -> None:
+    """podman build as the e2e images are built here (no pulls, chroot isolation)."""
+    args = [f"--build-arg={k}={v}" for k, v in (build_args or {}).items()]
+    sh("podman", "build", "--pull=never", "--isolation", "chroot", "-t", ref, *args,
+       "-f", str(containerfile or context / "Containerfile"), str(context), env=_image_env())
 
 
 @dataclass
@@ -166,15 +187,7 @@ def e2e_stack(kube_node, tmp_path_factory):
     env = {**_image_env(), "CONTAINERD_ADDRESS": str(node.containerd_socket)}
     sh("bash", str(REPO / "hack" / "import-images-containerd.sh"), env=env, timeout=900)
     for ref in _derived_images():
-        image_id = sh("podman", "image", "inspect", "--format", "{{.Id}}", ref,
-                      env=_image_env()).strip()
-        if _containerd_config_digest(node, ref) == f"sha256:{image_id}":
-            continue  # imported by an earlier run: the store is a cache
-        archive = workdir / (ref.replace("/", "_").replace(":", "_") + ".tar")
-        sh("podman", "save", "--format", "docker-archive", "-o", str(archive), ref,
-           env=_image_env())
-        node.ctr("images", "import", str(archive), timeout=900)
-        archive.unlink()
+        import_into_node(node, ref, workdir)
 
     s3 = S3Server.start(workdir / "s3.log", host=HOST_IP)
     stack = Stack(kube_node, s3, workdir)

@@ -1,4 +1,4 @@
-"""More whole runs on the test node: sandboxes, two trainer pods, faults, a GPU ask.
+"""More whole runs on the test node: two trainer pods, faults, a GPU ask, full fine-tuning.
 
 Each is driven only through the API server (kubectl apply, get, delete), as a user or an
 on-call engineer would; the pods run the project's images.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from .conftest import (
     MOE_MODEL_PATH,
     OPERATOR_DEPLOYMENT,
     OPERATOR_NAMESPACE,
-    SANDBOX_IMAGE,
     wait_for,
 )
 from .test_tiny_lora_run import prompts_configmap, tiny_run
@@ -68,84 +66,6 @@ def last_scraped(prom, expr: str, within_s: float = 1800) -> float | None:
     times = [float(t) for series in prom.query_range(expr, now - within_s, now, 1)
              for t, _ in series["values"]]
     return max(times, default=None)
-
-
-def test_multi_turn_run_grows_its_pool_and_scores_in_sandbox_pods(e2e_stack):
-    stack, ns = e2e_stack, "team-agents"
-    stack.namespace(ns)
-    run = tiny_run("agents", ns, stack.s3.endpoint, steps=3)
-    run["spec"]["harness"] = {"type": "multi-turn", "maxTurns": 2, "tools": ["shell"]}
-    # no warm pool: every sandbox pod is grown from the gateway's demand
-    run["spec"]["sandboxes"] = {"image": SANDBOX_IMAGE, "minWarm": 0, "max": 3, "hardCap": 4,
-                                "execTimeoutSeconds": 30}
-    # the reward runs only inside a sandbox: 1 when the answer has an even byte count, else 0,
-    # so some groups score and some do not whatever the random tiny model writes
-    run["spec"]["reward"] = {"functions": [{"name": "sandbox_tests", "args": {
-        "test_command": "test $(( $(wc -c < solution.py) % 2 )) -eq 0", "extract": False,
-        "timeout_seconds": 20}}]}
-    stack.apply(prompts_configmap(ns), run)
-
-    def pool_size() -> int:
-        out = stack.kubectl("-n", ns, "get", "pods", "-l",
-                            "app.kubernetes.io/component=sandbox", "-o", "name", check=False)
-        return len(out.split())
-
-    wait_for("a sandbox pod grown from demand", lambda: status_of(stack, "agents", ns)
-             .get("sandboxes", {}).get("spawnedTotal", 0) >= 1, timeout=600,
-             on_timeout=lambda: stack.describe(ns))
-    sizes, logs = [], []
-    wait_step(stack, "agents", ns, 1)
-    sizes.append(pool_size())
-
-    def gateway_lease_metrics() -> list[str]:
-        out = stack.kubectl("-n", ns, "exec", "deploy/agents-gateway", "--", "python3", "-c",
-                            "import urllib.request;print(urllib.request.urlopen("
-                            "'http://127.0.0.1:8080/metrics').read().decode())", check=False)
-        return [line for line in out.splitlines()
-                if line.startswith("asyncgrpo_gateway_") and "lease" in line.split("{")[0]]
-
-    leases: list[str] = []
-
-    def finished_keeping_logs():  # trainer logs and gateway metrics, read while they run
-        logs.append(stack.logs(ns, "app.kubernetes.io/component=trainer"))
-        if not leases:
-            leases.extend(gateway_lease_metrics())
-        s = status_of(stack, "agents", ns)
-        return s if s.get("phase") in ("Succeeded", "Failed") else None
-
-    status = wait_for("agents finished", finished_keeping_logs, timeout=900, interval=5,
-                      on_timeout=lambda: stack.describe(ns) + "\n".join(logs[-1:]))
-    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
-    assert status["sandboxes"]["spawnedTotal"] >= 1  # grown from demand: minWarm is 0
-    # TRL logs each reward term per step as rewards/<name>
-    rewards = [float(v) for v in re.findall(
-        r"'rewards/sandbox_tests(?:/mean)?': '?([-+0-9.eE]+|nan)", "\n".join(logs))]
-    print(f"\nE2E multi-turn: pool sizes {sizes}, spawned {status['sandboxes']}, "
-          f"sandbox_tests per step {rewards}")
-    assert leases, "the gateway exported no lease metrics while the run went on"
-    # rewards were computed in sandbox pods, and some groups scored
-    assert rewards and max(rewards) > 0, "\n".join(logs)[-3000:]
-
-    # A real Prometheus discovered the run's pods through the API server and scraped them:
-    # every dashboard panel and rule has data for the last moment the trainer was scraped
-    # (vLLM and the gateway outlive it; the run may take seconds, so no poll catches it)
-    prom = stack.prometheus
-    at = last_scraped(prom, f'asyncgrpo_trainer_step{{namespace="{ns}"}}')
-    assert at is not None, "Prometheus never scraped the trainer"
-    up = {(t["labels"].get("component"), t["health"]) for t in prom.targets()}
-    print(f"E2E Prometheus targets (component, health) seen: {sorted(up, key=str)}")
-    # over the run's last minutes up to then, as its dashboard would draw them
-    empty, skipped = missing_data(prom, {"operator", "trainer", "gateway", "vllm"}, at=at,
-                                  since=at - 300)
-    assert not empty, "no data for:\n" + "\n".join(f"{c.source}: {c.expr}" for c in empty)
-    if out := os.environ.get("ASYNCGRPO_E2E_REPORT_DIR"):  # pictures for the docs
-        from asyncgrpo.cli import main as cli
-
-        assert cli(["report", "agents", "--namespace", ns, "--prometheus", prom.url,
-                    "--since", "15m", "--out", out]) == 0
-    # left out: only what sandbox pods (not scraped) or full fine-tuning's pullers feed
-    assert all(c.components & {"sandbox", "weights"} for c in skipped), \
-        [c.source for c in skipped]
 
 
 def test_two_trainer_pods_train_one_run_over_gloo(e2e_stack):
@@ -263,6 +183,10 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
     rollout["replicas"] = 2
     for key in ("maxLoras", "maxLoraRank"):
         del rollout[key]
+    # a shared system prompt several KV blocks long: the G rollouts of a group share it and
+    # the prompt, so a group's replica has them cached after its first rollout (issue 26)
+    run["spec"]["data"]["systemPrompt"] = " ".join(
+        f"Rule {i}: answer briefly, with digits where a number is asked." for i in range(8))
     stack.apply(prompts_configmap(ns), run)
 
     seen: list[dict] = []       # status.servedWeights over the run
@@ -298,6 +222,7 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
 
     wait_for("the served-weights panels' data", weights_panels_have_data, timeout=60,
              on_timeout=lambda: str([c.source for c in empty]))
+    routed_to_both_replicas(stack, ns, "whole")
     # deleting the run mid-way stops it, and the cleanup Job empties its bucket folder; in
     # the foreground, as GitOps tools delete: the run's children (its ServiceAccount, which
     # the cleanup Job runs as, among them) go first
@@ -306,6 +231,42 @@ def test_full_fine_tuning_reaches_two_vllm_replicas_through_the_bucket(e2e_stack
     left = [o["Key"] for o in stack.s3.client().list_objects_v2(
         Bucket="e2e-whole").get("Contents", [])]
     assert not [k for k in left if k.startswith(f"asyncgrpo/{ns}/whole/")], left
+
+
+def routed_to_both_replicas(stack, ns: str, run: str) -> None:
+    """Issue 26 on the node: with two vLLM replicas the trainer routes rollouts by group (on
+    by default), and that is seen, not assumed: the run's status names both replicas with
+    the requests the router sent each and vLLM's own prefix-cache counters, and a real
+    Prometheus has the per-replica series the dashboard draws (routed requests by replica,
+    prefix-cache hits by pod)."""
+    replicas: list[dict] = []
+
+    def both_routed():
+        replicas[:] = status_of(stack, run, ns).get("rolloutReplicas") or []
+        return sum(1 for r in replicas if r.get("requestsRouted", 0) > 0
+                   and r.get("prefixCacheQueries", 0) > 0 and r.get("pod")) == 2
+
+    wait_for("status.rolloutReplicas: both replicas routed to, their caches queried",
+             both_routed, timeout=180, interval=2, on_timeout=lambda: str(replicas))
+    print(f"E2E routing: status.rolloutReplicas {replicas}")
+    assert sum(r.get("prefixCacheHits", 0) for r in replicas) > 0, replicas
+
+    prom, sel = stack.prometheus, f'namespace="{ns}", run="{run}"'
+    found: dict = {}
+
+    def per_replica_series():
+        found["routed"] = {s["metric"].get("replica"): float(s["value"][1]) for s in prom.query(
+            f"sum by (replica) (asyncgrpo_trainer_rollout_routed_requests_total{{{sel}}})")}
+        found["hits"] = {s["metric"].get("pod"): float(s["value"][1]) for s in prom.query(
+            f"sum by (pod) (vllm:prefix_cache_hits_total{{{sel}}})")}
+        found["failovers"] = [float(s["value"][1]) for s in prom.query(
+            f"sum(asyncgrpo_trainer_rollout_route_failovers_total{{{sel}}})")]
+        return (len([v for v in found["routed"].values() if v > 0]) == 2
+                and len(found["hits"]) == 2 and sum(found["hits"].values()) > 0)
+
+    wait_for("Prometheus: routed requests per replica and prefix-cache hits per pod",
+             per_replica_series, timeout=120, interval=2, on_timeout=lambda: str(found))
+    print(f"E2E routing in Prometheus: {found}")
 
 
 def puller_histories(stack, ns: str) -> dict[str, list[dict]]:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "operator"))
 from asyncgrpo.controller.kube import path, request
 from asyncgrpo.testing.cluster import TestCluster
 from asyncgrpo.testing.net import free_port
+from asyncgrpo.testing.s3 import S3Server
 from asyncgrpo.testing.waiting import wait_for
 
 NS = "bench"
@@ -113,10 +114,7 @@ def main() -> int:
         time.sleep(2)
         request(api, "POST", "/api/v1/namespaces",
                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
-        s3_port = free_port()
-        s3 = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H",
-                               "127.0.0.1", "-p", str(s3_port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+        s3 = S3Server.start(work / "s3.log")
         request(api, "POST", path("Secret", NS), {
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": NS,
                                                          "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
@@ -148,7 +146,7 @@ def main() -> int:
         sb["network"].pop("allowedEgressHosts", None)
         desired = 3
         sb.update({"minWarm": desired, "max": 1000, "hardCap": 1000})
-        run["spec"]["adapterStore"].update({"endpoint": f"http://127.0.0.1:{s3_port}",
+        run["spec"]["adapterStore"].update({"endpoint": s3.endpoint,
                                             "credentialsSecret": {"name": "s3"}})
         request(api, "POST", path("AsyncGRPORun", NS), run)
         wait_for(lambda: pods() == desired, 120, 0.05, "the first pool")
@@ -213,8 +211,7 @@ def main() -> int:
         for r in replicas.values():
             r.stop()
         if s3 is not None:
-            s3.terminate()
-            s3.wait(timeout=10)
+            s3.stop()
         cluster.stop()
 
 

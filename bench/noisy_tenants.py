@@ -57,6 +57,7 @@ from asyncgrpo.controller.kube import path, request
 from asyncgrpo.testing.cluster import TestCluster
 from asyncgrpo.testing.kube import Api, component, kubelet
 from asyncgrpo.testing.net import free_port
+from asyncgrpo.testing.s3 import S3Server
 
 HEALTHY, SILENT = 5, 20
 #: dripping trainers, dripping gateways, runs whose egress hosts never resolve (issue 28)
@@ -262,7 +263,7 @@ def degraded_reasons(api: Api, ns: str, names: list[str]) -> dict[str, int]:
     return out
 
 
-def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3_port: int,
+def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3: str,
                tag: str, args, work: Path, kubeconfig: Path, dns) -> dict:
     """Healthy runs alone, then beside the silent ones, then beside the hostile ones too,
     under one operator."""
@@ -315,7 +316,6 @@ def phase_pair(client, api: Api, trainers: Trainers, silent: Silent, s3_port: in
                                                              "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
                 "stringData": {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}})
 
-        s3 = f"http://127.0.0.1:{s3_port}"
 
         def late_run(ns: str) -> float | None:
             namespace(ns)
@@ -430,15 +430,12 @@ def main() -> int:
         crd = yaml.safe_load((REPO / "crds/asyncgrpo.dev_asyncgrporuns.yaml").read_text())
         request(client, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
         time.sleep(2)
-        s3_port = free_port()
-        s3 = subprocess.Popen(
-            [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p",
-             str(s3_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        s3 = S3Server.start(work / "s3.log")
         from asyncgrpo.testing.jobs import BucketJobKubelet
 
         jobs = BucketJobKubelet(client).start()
         try:
-            results = {"jobs": phase_pair(client, api, trainers, silent, s3_port, "b", args,
+            results = {"jobs": phase_pair(client, api, trainers, silent, s3.endpoint, "b", args,
                                           work, cluster.kubeconfig, dns)}
         finally:
             jobs.stop()
@@ -471,7 +468,7 @@ def main() -> int:
         return 0
     finally:
         if s3 is not None:
-            s3.terminate()
+            s3.stop()
         silent.sock.close()
         trainers.closed = True
         trainers.httpd.shutdown()

@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO / "operator"))
 
 from asyncgrpo.controller.kube import path, request
 from asyncgrpo.testing.cluster import TestCluster
+from asyncgrpo.testing.s3 import S3Server
 
 WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY"}
 RESOURCES = {"asyncgrporuns", "pods", "deployments", "statefulsets", "services", "configmaps",
@@ -126,6 +127,7 @@ def main() -> int:
     cluster.start()
     op = None
     procs: list[subprocess.Popen] = []
+    servers: list[S3Server] = []
     try:
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         crd = yaml.safe_load((REPO / "crds/asyncgrpo.dev_asyncgrporuns.yaml").read_text())
@@ -169,16 +171,13 @@ def main() -> int:
         base["spec"]["sandboxes"].update({"minWarm": args.sandboxes, "max": args.sandboxes,
                                           "hardCap": max(args.sandboxes, 1)})
         # a real S3 server (moto) for the bucket check; credentials from a Secret
-        s3_port = free_port()
-        s3 = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H",
-                               "127.0.0.1", "-p", str(s3_port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-        procs.append(s3)
+        s3 = S3Server.start(work / "s3.log")
+        servers.append(s3)
         request(api, "POST", path("Secret", ns), {
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": ns,
                                                          "labels": {"asyncgrpo.dev/s3-credentials": "true"}},
             "stringData": {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}})
-        base["spec"]["adapterStore"].update({"endpoint": f"http://127.0.0.1:{s3_port}",
+        base["spec"]["adapterStore"].update({"endpoint": s3.endpoint,
                                              "credentialsSecret": {"name": "s3"}})
 
         t0 = time.monotonic()
@@ -298,6 +297,8 @@ def main() -> int:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
+        for server in servers:
+            server.stop()
         cluster.stop()
 
 

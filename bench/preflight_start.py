@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from asyncgrpo.controller.kube import request
 from asyncgrpo.testing.cluster import TestCluster
 from asyncgrpo.testing.kube import Api
-from asyncgrpo.testing.net import free_port
+from asyncgrpo.testing.s3 import S3Server
 
 
 def measure(api: Api, s3, ns_prefix: str, preflight: bool, runs: int, timeout: float,
@@ -82,15 +81,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="preflight-start-"))
     cluster = TestCluster(work / "kube")
     cluster.start()
-    port = free_port()
-    moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H",
-                             "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    class S3:
-        endpoint = f"http://127.0.0.1:{port}"
-        access_key = secret_key = "bench"
-
+    s3 = S3Server.start(work / "s3.log")
     try:
         client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         api = Api(client)
@@ -99,9 +90,9 @@ def main() -> int:
         time.sleep(2)
         jobs = BucketJobKubelet(client, hub_cache=seed_hub_cache(work / "hub")).start()
         try:
-            on = measure(api, S3, "on", True, args.runs, args.timeout,
+            on = measure(api, s3, "on", True, args.runs, args.timeout,
                          str(cluster.kubeconfig))
-            off = measure(api, S3, "off", False, args.runs, args.timeout,
+            off = measure(api, s3, "off", False, args.runs, args.timeout,
                          str(cluster.kubeconfig))
         finally:
             jobs.stop()
@@ -114,7 +105,7 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
     finally:
-        moto.terminate()
+        s3.stop()
         cluster.stop()
     return 0
 

@@ -270,6 +270,34 @@ def test_the_runs_own_files_are_the_machines_even_under_a_mount(tmp_path):
     assert v.argv[v.argv.index("--model") + 1] == str(tmp_path)
 
 
+def test_the_trainers_pythonpath_folders_are_the_machines_even_under_a_mount(tmp_path):
+    """A task package found through spec.trainer.env PYTHONPATH (the local way, docs/tasks.md)
+    in a checkout under /tmp: the folders are this machine's, not the pod's /tmp emptyDir
+    (CI clones under /tmp: the trainer found no `calculator_math` when they were rewritten)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as checkout:  # under the pod's /tmp mount
+        pkg, other = Path(checkout) / "task", Path(checkout) / "more"
+        pkg.mkdir()
+        other.mkdir()
+        doc = yaml.safe_load((REPO / "examples" / "local-tiny.yaml").read_text())
+        doc["spec"]["trainer"]["env"] = [{"name": "PYTHONPATH", "value": f"{pkg}:{other}"}]
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
+        run = load_run(tmp_path / "run.yaml")
+        pods = run_pods(run, 0)
+        placed = build_placement(run, pods, tmp_path / "w", s3_credentials=CREDS)
+    assert set(placed.host_paths) >= {str(pkg), str(other)}
+    trainer_pod = next(p for p in pods if p.component == "trainer")
+    v = translate(trainer_pod.name, trainer_pod.spec["containers"][0], placed)
+    assert v.env["PYTHONPATH"].split(":")[-2:] == [str(pkg), str(other)], v.env["PYTHONPATH"]
+
+
+def test_a_host_path_ends_where_its_word_does():
+    p = placement(host_paths=("/tmp/pytest-x/pkg",))
+    lp = translate("p-0", container(args=["/tmp/pytest-x/pkg:/tmp/y", "/tmp/pytest-x/pkgs"]), p)
+    assert lp.argv[1:] == ["/tmp/pytest-x/pkg:/L/tmp/y", "/L/tmp/pytest-x/pkgs"]
+
+
 def test_hosts_and_ports_are_rewritten_only_where_they_name_one():
     p = placement(ports={8000: 18000})
     lp = translate("p-0", container(

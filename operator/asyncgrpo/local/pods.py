@@ -110,6 +110,14 @@ def parse_dockerfile_env(text: str) -> dict[str, str]:
     return env
 
 
+def _names_path(text: str, path: str) -> bool:
+    """`text` starts with `path` or a path under it, up to a word's end (`/a/b:/c` names
+    `/a/b`: PYTHONPATH's separator ends it)."""
+    path = path.rstrip("/")
+    rest = text[len(path):]
+    return text.startswith(path) and (rest == "" or rest[0] in "/ \t\n\"':;,")
+
+
 class _Rewriter:
     """The string rules of the module docstring for one pod, in one pass (a replacement is
     never scanned again, so a local path that happens to contain a Service name stays)."""
@@ -139,7 +147,7 @@ class _Rewriter:
     def _replace(self, m: re.Match) -> str:
         if m["mount"] is not None:
             rest = m.string[m.start():]
-            if any(rest == h or rest.startswith(h.rstrip("/") + "/") for h in self.p.host_paths):
+            if any(_names_path(rest, h) for h in self.p.host_paths):
                 return m[0]
             return self.mounts[m["mount"]]
         if m["host"] == "0.0.0.0":

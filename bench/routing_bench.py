@@ -56,7 +56,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "operator"))
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncgrpo.testing.vllm import start_vllm_server
@@ -225,10 +224,8 @@ def run_case(model, tokenizer, servers, mode: str, turns: int, groups: int, g: i
 
     async def main():
         sem = asyncio.Semaphore(concurrency)
-        async with aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=concurrency * g + 8)) as session:
+        async with loop.sessions(concurrency * g + 8) as session:  # the trainer's pools
             loop.session = session
-            loop._route_session = session
             await loop.refresh_replicas()
 
             async def group(gid):

@@ -19,7 +19,6 @@ import queue
 import socket
 import threading
 
-import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -235,9 +234,8 @@ def test_full_ft_a_replica_mid_swap_gets_no_new_group_and_a_new_replica_gets_gro
         return {r: _delta(before[r], after[r]) for r in by_replica}
 
     async def run():
-        async with aiohttp.ClientSession() as session:
+        async with loop.sessions(100) as session:  # the trainer's two connection pools
             loop.session = session
-            loop._route_session = session
             await loop.refresh_replicas()
             assert loop.router.replicas == [a]
             assert loop.router.state(a).served_version == 1    # read from its puller
@@ -355,9 +353,8 @@ def test_groups_and_conversations_stay_on_one_replica_and_move_when_it_dies(repl
         return _group(loop, g, tool)
 
     async def run():
-        async with aiohttp.ClientSession() as session:
+        async with loop.sessions(100) as session:  # the trainer's two connection pools
             loop.session = session
-            loop._route_session = session
             await loop.refresh_replicas()
             seen = {}
             # groups one at a time (each alone in flight: pure hashing) until both replicas

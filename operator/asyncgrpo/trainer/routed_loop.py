@@ -41,6 +41,7 @@ Metrics pushed through TRL's metrics queue (`asyncgrpo.trainer.metrics` maps the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from contextvars import ContextVar
@@ -134,15 +135,26 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
             except Exception:  # routing must never take the rollouts down
                 log.exception("routing: refresh failed")
 
-    async def _run_loops(self, stop_event: asyncio.Event) -> None:
-        if self.router is None:
-            return await super()._run_loops(stop_event)
-        limit = self.max_inflight_tasks
+    @contextlib.asynccontextmanager
+    async def sessions(self, limit: int):
+        """The routed requests' two connection pools, as the rollout loop holds them (benches
+        and tests use the same): kept-alive connections closed after KEEPALIVE_S, before
+        vLLM's own idle close, and fresh connections for the one resend of a request a closed
+        keep-alive broke. Yields the kept-alive one."""
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(
                 limit=limit, keepalive_timeout=KEEPALIVE_S)) as session, \
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(
                     limit=limit, force_close=True)) as fresh:
             self._route_session, self._fresh_session = session, fresh
+            try:
+                yield session
+            finally:
+                self._route_session = self._fresh_session = None
+
+    async def _run_loops(self, stop_event: asyncio.Event) -> None:
+        if self.router is None:
+            return await super()._run_loops(stop_event)
+        async with self.sessions(self.max_inflight_tasks):
             await self.refresh_replicas()
             follower = asyncio.create_task(self._follow(stop_event))
             try:

@@ -101,16 +101,19 @@ def test_code_fix_trains_and_runs_its_tests_in_real_sandboxes():
     # must be reachable by path, and pytest's tmp_path lives under a root-only directory
     base = Path(tempfile.mkdtemp(prefix="asyncgrpo-code-fix-"))
     base.chmod(0o711)
+    # all four prompts (about 960 tokens each), 120 steps: two prompts and 80 steps
+    # missed the call on the other two
     try:
-        # all four prompts (about 960 tokens each), 120 steps: two prompts and 80 steps
-        # missed the call on the other two
         _, status = _train(
             base, "code-fix", "code-fix",
             lambda cls: [getattr(cls(sandbox=None), n) for n in ("read_file", "run_tests",
                                                                   "write_file")],
             call={"name": "run_tests", "arguments": {}})
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    except BaseException:
+        # kept for a look: the run's logs (vLLM's, the sandboxes', the trainer's) are there
+        print(f"the failed run's folder is kept: {base}")
+        raise
+    shutil.rmtree(base, ignore_errors=True)
     history = status["history"]
     _assert_tools_ran(history)
     # the reward is the environment's get_reward through the sandbox server's /v1/score:

@@ -196,15 +196,14 @@ def _volumes(run: AsyncGRPORun, pod: Pod, workdir: Path) -> dict[str, str]:
 
 
 def host_paths(run: AsyncGRPORun) -> tuple[str, ...]:
-    """The run's local files named by absolute path (model, prompts, and the folders of its
-    trainer's PYTHONPATH, where a local run finds the task's package): the machine's, even
-    under a mountPath such as /tmp (a checkout under /tmp is not the pod's /tmp emptyDir)."""
+    """The run's local files named by absolute path (model, prompts, and the folders where
+    the trainer finds the task's modules, preflight.module_paths): the machine's, even under
+    a mountPath such as /tmp (a checkout under /tmp is not the pod's /tmp emptyDir)."""
+    from asyncgrpo.preflight import module_paths
+
     d = run.spec.data
     named = [run.spec.model.name, d.path, d.eval.path if d.eval else None,
-             run.spec.model.chat_template_path]
-    for var in [*run.spec.pod.env, *run.spec.trainer.pod.env, *run.spec.trainer.env]:
-        if var.name == "PYTHONPATH" and var.value:
-            named.extend(var.value.split(os.pathsep))
+             run.spec.model.chat_template_path, *module_paths(run)]
     return tuple(dict.fromkeys(p for p in named if p and os.path.isabs(p) and os.path.exists(p)))
 
 

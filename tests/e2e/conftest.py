@@ -72,9 +72,7 @@ def _derived_images() -> dict[str, str]:
         from asyncgrpo.trainer.tiny_tokenizer import save_tiny_checkpoint
 
         save_tiny_checkpoint(moe, kind="moe", seed=0)
-    # safetensors writes 0600 files: pods run as 65532, not as the files' owner
-    for path in [ctx, *ctx.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    readable_by_pods(ctx)
     built = {}
     for base, ref in ((f"ghcr.io/asyncgrpo/trainer:{IMAGE_TAG}", E2E_TRAINER_IMAGE),
                       (f"ghcr.io/asyncgrpo/vllm:{IMAGE_TAG}", E2E_VLLM_IMAGE)):
@@ -83,6 +81,13 @@ def _derived_images() -> dict[str, str]:
         podman_build(ref, ctx)
         built[ref] = base
     return built
+
+
+def readable_by_pods(folder: Path) -> None:
+    """An image's build context made readable by the pods' uid 65532, not only the files'
+    owner (safetensors writes 0600 files)."""
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _containerd_config_digest(node, ref: str) -> str | None:

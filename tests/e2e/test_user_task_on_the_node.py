@@ -29,6 +29,7 @@ from .conftest import (
     SANDBOX_IMAGE,
     import_into_node,
     podman_build,
+    readable_by_pods,
     wait_for,
 )
 from .test_runs_on_the_node import last_scraped, status_of
@@ -69,8 +70,7 @@ def _taught_model_folder():
             model, prompts=prompts, tools=[env.read_file, env.run_tests, env.write_file],
             call={"name": "run_tests", "arguments": {}})
         print(f"tool-call fine-tuning: {taught}")
-    for path in [ctx, *ctx.rglob("*")]:  # pods run as 65532; safetensors writes 0600
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    readable_by_pods(ctx)
     return ctx
 
 

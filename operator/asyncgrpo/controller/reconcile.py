@@ -169,8 +169,10 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: list[Child],
     if run.spec.sandboxes is None:   # the pool was removed from the spec: its pods go too
         sandbox_io.remove_all(rt, ns, name, children)
     else:
+        # `conflicts`, not `hold` alone: a workload's name may have been found held only by
+        # its create just above, and no sandbox pod starts beside a conflict
         obs.sandboxes, spawned, obs.pool_error = sandbox_io.scale(
-            rt, state, body, run, children, stopped or hold, foreign, conflicts,
+            rt, state, body, run, children, stopped or hold or bool(conflicts), foreign, conflicts,
             uid, budget, obs, namespace_sandboxes)
         # the body may predate our last status patch: the count lives in memory too
         seen = int((old.get("sandboxes") or {}).get("spawnedTotal", 0))

@@ -21,6 +21,32 @@ TOKEN = "sandbox-test-token-0123456789"
 # the secret of the lease tests install with `reset(sb)`: data calls need it, not TOKEN
 LEASE = "lease-secret-for-tests-0123456789"
 _BASES: list[Path] = []
+#: the interpreter another uid can run (the venv's lives in the checkout, maybe under /root)
+SYSTEM_PYTHON = "/usr/bin/python3.11"
+
+
+def _first_path_closed_to_others(path: Path) -> Path | None:
+    """The first folder on the way to `path` that other users cannot enter, or None."""
+    for folder in [*reversed(path.parents), path]:
+        if not folder.stat().st_mode & 0o001:
+            return folder
+    return None
+
+
+def skip_unless_another_uid_can_run_the_checkout(uid: int, *tools: str) -> None:
+    """The unprivileged-server tests start the project's code as `uid` (with `tools`: setpriv,
+    unshare) under the system Python, importing the checkout and the venv's packages by
+    PYTHONPATH: they need root, that Python, the tools, and every folder on the way open to
+    others (a mode-700 temporary clone, or a checkout under /root, is not)."""
+    if os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON) \
+            or not all(shutil.which(t) for t in tools):
+        pytest.skip(f"needs root, {', '.join(tools)} and {SYSTEM_PYTHON} to start a server "
+                    f"as uid {uid}")
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    for path in (Path(__file__).resolve().parents[2], Path(site)):
+        closed = _first_path_closed_to_others(path)
+        if closed is not None:
+            pytest.skip(f"uid {uid} cannot import the code: {closed} is not world-searchable")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -19,15 +19,16 @@ import pytest
 from asyncgrpo.sandbox.common.challenge import reset_call
 from tests.sandbox.conftest import (
     LEASE,
+    SYSTEM_PYTHON,
     TOKEN,
     Proc,
     lease_client,
     reset,
+    skip_unless_another_uid_can_run_the_checkout,
     start_sandbox,
     wait_until,
 )
 
-_SYSTEM_PYTHON = "/usr/bin/python3.11"
 UID = 65533  # the unprivileged server's uid in the PID-1 tests
 
 
@@ -223,8 +224,7 @@ while True:
 
 @pytest.fixture
 def pid1_sandbox(tmp_path):
-    if os.geteuid() != 0 or not os.path.exists(_SYSTEM_PYTHON) or not shutil.which("unshare"):
-        pytest.skip("needs root for unshare and setpriv, and a system python 3.11")
+    skip_unless_another_uid_can_run_the_checkout(UID, "unshare", "setpriv")
     from tests.conftest import free_port
 
     home = Path(tempfile.mkdtemp(prefix="asyncgrpo-pid1-"))
@@ -235,7 +235,7 @@ def pid1_sandbox(tmp_path):
     operator_src = Path(__file__).resolve().parents[2] / "operator"
     env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "PYTHONPATH": f"{operator_src}:{site}"}
     args = ["unshare", "--pid", "--fork", "--mount-proc", "setpriv", f"--reuid={UID}", f"--regid={UID}",
-            "--clear-groups", _SYSTEM_PYTHON, "-m", "asyncgrpo.cli", "sandbox", "serve", "--host", "127.0.0.1",
+            "--clear-groups", SYSTEM_PYTHON, "-m", "asyncgrpo.cli", "sandbox", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--workspace", f"{home}/ws", "--wipe-dirs", ""]
     p = Proc(args, env, tmp_path / "pid1.log", port, cwd=home)
     p.home = home
@@ -335,8 +335,7 @@ def test_the_gateway_gives_an_impostor_neither_token_nor_secret_nor_a_group(tmp_
 
 def test_a_same_uid_command_cannot_read_the_gateways_environment(tmp_path):
     """Non-root local mode: the gateway, the sandbox server and commands share one uid."""
-    if os.geteuid() != 0 or not os.path.exists(_SYSTEM_PYTHON) or not shutil.which("setpriv"):
-        pytest.skip("needs root to start the gateway as another uid")
+    skip_unless_another_uid_can_run_the_checkout(UID, "setpriv")
     from tests.conftest import free_port, wait_for_port
     from tests.sandbox.conftest import GW_TOKEN
 
@@ -346,7 +345,7 @@ def test_a_same_uid_command_cannot_read_the_gateways_environment(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN,
            "PYTHONPATH": f"{operator_src}:{site}"}
     as_user = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups"]
-    gw = subprocess.Popen([*as_user, _SYSTEM_PYTHON, "-m", "asyncgrpo.cli", "gateway", "--host", "127.0.0.1",
+    gw = subprocess.Popen([*as_user, SYSTEM_PYTHON, "-m", "asyncgrpo.cli", "gateway", "--host", "127.0.0.1",
                            "--port", str(port), "--members", "http://127.0.0.1:1"], env=env, cwd="/")
     try:
         wait_for_port(port, proc=gw)

@@ -275,18 +275,6 @@ def test_metrics_names_carry_units(client, sandbox):
         assert name in text
 
 
-_SYSTEM_PYTHON = "/usr/bin/python3.11"
-
-
-def _first_path_closed_to_others(path: Path) -> Path | None:
-    """The first folder on the way to `path` that other users cannot enter (e.g. a mode-700
-    temporary clone), or None: the unprivileged server imports the code from there."""
-    for folder in [*reversed(path.parents), path]:
-        if not folder.stat().st_mode & 0o001:
-            return folder
-    return None
-
-
 @pytest.fixture
 def nonroot_sandbox(tmp_path):
     """The image's mode: the server itself runs as an unprivileged uid, commands under the same uid.
@@ -294,13 +282,14 @@ def nonroot_sandbox(tmp_path):
     Started with `setpriv` and the system Python (the venv's interpreter lives under /root),
     importing the venv's packages by PYTHONPATH.
     """
-    if os.geteuid() != 0 or not os.path.exists(_SYSTEM_PYTHON) or not shutil.which("setpriv"):
-        pytest.skip("needs root to start the server as another uid, and a python that uid can run")
-    unreadable = _first_path_closed_to_others(Path(__file__).resolve().parents[2])
-    if unreadable is not None:
-        pytest.skip(f"uid 65534 cannot read the checkout: {unreadable} is not world-searchable")
     from tests.conftest import free_port
-    from tests.sandbox.conftest import Proc
+    from tests.sandbox.conftest import (
+        SYSTEM_PYTHON,
+        Proc,
+        skip_unless_another_uid_can_run_the_checkout,
+    )
+
+    skip_unless_another_uid_can_run_the_checkout(65534, "setpriv")
 
     home = tempfile.mkdtemp(prefix="asyncgrpo-nonroot-")
     os.chown(home, 65534, 65534)
@@ -308,7 +297,7 @@ def nonroot_sandbox(tmp_path):
     site = next(p for p in sys.path if p.endswith("site-packages"))
     operator_src = Path(__file__).resolve().parents[2] / "operator"
     env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "PYTHONPATH": f"{operator_src}:{site}"}
-    args = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", _SYSTEM_PYTHON, "-m", "asyncgrpo.cli",
+    args = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-m", "asyncgrpo.cli",
             "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port), "--workspace", f"{home}/ws",
             "--max-procs", "128"]
     p = Proc(args, env, tmp_path / "nonroot.log", port, cwd=home)

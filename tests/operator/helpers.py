@@ -149,6 +149,18 @@ def make_run(s3, ns: str, name: str, source: str = "lora-math.yaml", **spec_chan
     return run
 
 
+def sandboxes_run(s3, ns: str, name: str, **changes) -> dict:
+    """The multi-turn sandbox example on the test cluster: no RuntimeClass, no egress hosts
+    to resolve, a pool of one warm pod (at most two); `changes` set pool fields."""
+    run = make_run(s3, ns, name, "multi-turn-sandboxes.yaml")
+    sb = run["spec"]["sandboxes"]
+    sb.pop("runtimeClassName")
+    sb["network"].pop("allowedEgressHosts")
+    sb.update({"minWarm": 1, "max": 2, "hardCap": 2})
+    sb.update(changes)
+    return run
+
+
 def s3_secret(s3, ns: str, name: str = "s3-credentials") -> dict:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": {
                 "name": name, "namespace": ns, "labels": {"asyncgrpo.dev/s3-credentials": "true"}},

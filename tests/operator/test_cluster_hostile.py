@@ -17,6 +17,7 @@ from tests.operator.helpers import (
     kubelet,
     make_run,
     s3_secret,
+    sandboxes_run,
     wait_for,
 )
 from tests.operator.peers import Dns
@@ -24,17 +25,6 @@ from tests.operator.peers import Dns
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 LABELS = "app.kubernetes.io/managed-by"
-
-
-def sandboxes_run(s3_server, ns, name, **changes):
-    run = make_run(s3_server, ns, name, "multi-turn-sandboxes.yaml")
-    sb = run["spec"]["sandboxes"]
-    sb.pop("runtimeClassName")
-    sb["network"].pop("allowedEgressHosts")
-    sb.update({"minWarm": 1, "max": 2, "hardCap": 2})
-    for k, v in changes.items():
-        sb[k] = v
-    return run
 
 
 def _pod_template(name: str) -> dict:

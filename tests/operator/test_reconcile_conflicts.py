@@ -5,12 +5,9 @@ decided the pool was not held; the pool must see it (issue 28: never use, never 
 
 from __future__ import annotations
 
-import base64
-
 from asyncgrpo.controller import reconcile
-from asyncgrpo.controller.runtime import Runtime, Settings
-from tests.operator.helpers import make_run
-from tests.operator.test_reconcile_stale import Recorder
+from tests.operator.helpers import sandboxes_run
+from tests.operator.test_reconcile_stale import Recorder, owned_secret, unreachable_runtime
 
 
 class HeldName(Recorder):
@@ -32,19 +29,10 @@ class HeldName(Recorder):
 
 
 def test_a_workload_conflict_found_by_its_create_starts_no_sandbox_pod(s3_server):
-    run = make_run(s3_server, "ns", "sq", "multi-turn-sandboxes.yaml")
-    sb = run["spec"]["sandboxes"]
-    sb.pop("runtimeClassName")
-    sb["network"].pop("allowedEgressHosts")
-    sb.update({"minWarm": 1, "max": 2, "hardCap": 2})
+    run = sandboxes_run(s3_server, "ns", "sq")
     run["metadata"].update({"uid": "u1", "generation": 1})
-    secret = {"data": {k: base64.b64encode(v.encode()).decode() for k, v in {
-        "AWS_ACCESS_KEY_ID": s3_server.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}.items()},
-        "metadata": {"ownerReferences": [{"uid": "u1", "controller": True}]}}
-    rt = Runtime(Settings(gateway_url="http://127.0.0.1:1",
-                          trainer_metrics_url="http://127.0.0.1:1"))
-    rt.kube = HeldName(secret, ("Deployment", "sq-gateway"))
+    rt = unreachable_runtime()
+    rt.kube = HeldName(owned_secret(s3_server, "u1"), ("Deployment", "sq-gateway"))
 
     out = reconcile.reconcile(rt, run, [])
 

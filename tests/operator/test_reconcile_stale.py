@@ -38,15 +38,26 @@ class Recorder:
         return True
 
 
-def test_a_stale_body_never_unfinishes_a_run(s3_server):
+def owned_secret(s3_server, uid: str) -> dict:
+    """A Secret the run `uid` owns, holding the test S3 server's keys, as `Recorder.get`
+    answers it."""
     import base64
 
-    secret = {"data": {k: base64.b64encode(v.encode()).decode() for k, v in {
+    return {"data": {k: base64.b64encode(v.encode()).decode() for k, v in {
         "AWS_ACCESS_KEY_ID": s3_server.access_key,
         "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}.items()},
-        "metadata": {"ownerReferences": [{"uid": "u1", "controller": True}]}}
-    rt = Runtime(Settings(gateway_url="http://127.0.0.1:1", trainer_metrics_url="http://127.0.0.1:1"))
-    rt.kube = Recorder(secret)
+        "metadata": {"ownerReferences": [{"uid": uid, "controller": True}]}}
+
+
+def unreachable_runtime() -> Runtime:
+    """A Runtime whose gateway and trainer endpoints answer nothing (nothing runs)."""
+    return Runtime(Settings(gateway_url="http://127.0.0.1:1",
+                            trainer_metrics_url="http://127.0.0.1:1"))
+
+
+def test_a_stale_body_never_unfinishes_a_run(s3_server):
+    rt = unreachable_runtime()
+    rt.kube = Recorder(owned_secret(s3_server, "u1"))
     body = make_run(s3_server, "ns", "done")
     body["metadata"].update({"uid": "u1", "generation": 1})
     body["status"] = {"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}

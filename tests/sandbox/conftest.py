@@ -33,20 +33,23 @@ def _first_path_closed_to_others(path: Path) -> Path | None:
     return None
 
 
-def skip_unless_another_uid_can_run_the_checkout(uid: int, *tools: str) -> None:
-    """The unprivileged-server tests start the project's code as `uid` (with `tools`: setpriv,
-    unshare) under the system Python, importing the checkout and the venv's packages by
-    PYTHONPATH: they need root, that Python, the tools, and every folder on the way open to
-    others (a mode-700 temporary clone, or a checkout under /root, is not)."""
+def pythonpath_for_another_uid(uid: int, *tools: str) -> str:
+    """The PYTHONPATH (the checkout's operator/ and the venv's site-packages) under which the
+    unprivileged-server tests start the project's code as `uid` (with `tools`: setpriv,
+    unshare) and the system Python. Skips unless that can work: root, that Python, the
+    tools, and every folder on the way open to others (a mode-700 temporary clone, or a
+    checkout under /root, is not)."""
     if os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON) \
             or not all(shutil.which(t) for t in tools):
         pytest.skip(f"needs root, {', '.join(tools)} and {SYSTEM_PYTHON} to start a server "
                     f"as uid {uid}")
-    site = next(p for p in sys.path if p.endswith("site-packages"))
-    for path in (Path(__file__).resolve().parents[2], Path(site)):
+    paths = [Path(__file__).resolve().parents[2] / "operator",
+             Path(next(p for p in sys.path if p.endswith("site-packages")))]
+    for path in paths:
         closed = _first_path_closed_to_others(path)
         if closed is not None:
             pytest.skip(f"uid {uid} cannot import the code: {closed} is not world-searchable")
+    return ":".join(map(str, paths))
 
 
 @pytest.fixture(autouse=True, scope="session")

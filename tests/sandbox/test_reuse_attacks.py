@@ -23,8 +23,8 @@ from tests.sandbox.conftest import (
     TOKEN,
     Proc,
     lease_client,
+    pythonpath_for_another_uid,
     reset,
-    skip_unless_another_uid_can_run_the_checkout,
     start_sandbox,
     wait_until,
 )
@@ -224,16 +224,14 @@ while True:
 
 @pytest.fixture
 def pid1_sandbox(tmp_path):
-    skip_unless_another_uid_can_run_the_checkout(UID, "unshare", "setpriv")
+    pythonpath = pythonpath_for_another_uid(UID, "unshare", "setpriv")
     from tests.conftest import free_port
 
     home = Path(tempfile.mkdtemp(prefix="asyncgrpo-pid1-"))
     home.chmod(0o755)
     os.chown(home, UID, UID)
     port = free_port()
-    site = next(p for p in sys.path if p.endswith("site-packages"))
-    operator_src = Path(__file__).resolve().parents[2] / "operator"
-    env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "PYTHONPATH": f"{operator_src}:{site}"}
+    env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "PYTHONPATH": pythonpath}
     args = ["unshare", "--pid", "--fork", "--mount-proc", "setpriv", f"--reuid={UID}", f"--regid={UID}",
             "--clear-groups", SYSTEM_PYTHON, "-m", "asyncgrpo.cli", "sandbox", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--workspace", f"{home}/ws", "--wipe-dirs", ""]
@@ -335,15 +333,13 @@ def test_the_gateway_gives_an_impostor_neither_token_nor_secret_nor_a_group(tmp_
 
 def test_a_same_uid_command_cannot_read_the_gateways_environment(tmp_path):
     """Non-root local mode: the gateway, the sandbox server and commands share one uid."""
-    skip_unless_another_uid_can_run_the_checkout(UID, "setpriv")
+    pythonpath = pythonpath_for_another_uid(UID, "setpriv")
     from tests.conftest import free_port, wait_for_port
     from tests.sandbox.conftest import GW_TOKEN
 
     port = free_port()
-    site = next(p for p in sys.path if p.endswith("site-packages"))
-    operator_src = Path(__file__).resolve().parents[2] / "operator"
     env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "ASYNCGRPO_GATEWAY_TOKEN": GW_TOKEN,
-           "PYTHONPATH": f"{operator_src}:{site}"}
+           "PYTHONPATH": pythonpath}
     as_user = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups"]
     gw = subprocess.Popen([*as_user, SYSTEM_PYTHON, "-m", "asyncgrpo.cli", "gateway", "--host", "127.0.0.1",
                            "--port", str(port), "--members", "http://127.0.0.1:1"], env=env, cwd="/")

@@ -286,17 +286,15 @@ def nonroot_sandbox(tmp_path):
     from tests.sandbox.conftest import (
         SYSTEM_PYTHON,
         Proc,
-        skip_unless_another_uid_can_run_the_checkout,
+        pythonpath_for_another_uid,
     )
 
-    skip_unless_another_uid_can_run_the_checkout(65534, "setpriv")
+    pythonpath = pythonpath_for_another_uid(65534, "setpriv")
 
     home = tempfile.mkdtemp(prefix="asyncgrpo-nonroot-")
     os.chown(home, 65534, 65534)
     port = free_port()
-    site = next(p for p in sys.path if p.endswith("site-packages"))
-    operator_src = Path(__file__).resolve().parents[2] / "operator"
-    env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "PYTHONPATH": f"{operator_src}:{site}"}
+    env = {"PATH": "/usr/bin:/bin", "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, "PYTHONPATH": pythonpath}
     args = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-m", "asyncgrpo.cli",
             "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port), "--workspace", f"{home}/ws",
             "--max-procs", "128"]

@@ -15,6 +15,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from asyncgrpo.testing.ranks import leave_after_barrier
 from asyncgrpo.trainer.distributed import (
     Topology,
     full_tensor,
@@ -90,8 +91,7 @@ def main() -> None:
         torch.save({"loss": float(global_loss), "grads": grads, "grad_norm": norm,
                     "params": params}, a.out)
     if top.distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_after_barrier()
 
 
 if __name__ == "__main__":

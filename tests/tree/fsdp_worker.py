@@ -24,6 +24,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch.distributed.fsdp import fully_shard
 
+from asyncgrpo.testing.ranks import leave_after_barrier
 from asyncgrpo.trainer.tree import objective
 from asyncgrpo.trainer.tree.loss import grpo_loss
 from asyncgrpo.trainer.tree.rollout import Rollout
@@ -155,8 +156,7 @@ def main(result_path: str, scenario: str) -> None:
                 "max_grad_rel_diff": rel,
                 "metrics": logged(trainer._metrics["train"]), "metrics_reference": reference_metrics(parts),
             }, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers.core_model_loading import revert_weight_conversion
 
+from asyncgrpo.testing.ranks import leave_after_barrier
 from asyncgrpo.trainer.distributed import full_tensor, init_process_group, load_causal_lm
 from asyncgrpo.trainer.weights import BucketWeightTransfer
 from asyncgrpo.trainer.weights_sharded import ShardedWeightTransfer
@@ -129,8 +130,7 @@ def main():
             dist.barrier()
         records[kind] = {"sharded": sharded.published, "gathered": gather.published}
     (out / f"rank-{rank}.json").write_text(json.dumps({"puts": puts, "records": records}))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier()
 
 
 if __name__ == "__main__":

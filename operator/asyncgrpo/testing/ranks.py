@@ -5,9 +5,9 @@ torch leaves gloo's process groups alive after `destroy_process_group()` while D
 still refers to their device meshes: in the expert-parallel equivalence worker 7 gloo I/O
 threads and 14 gloo work threads are still running after it. The groups are then destroyed
 while the interpreter clears its modules, and that teardown sometimes aborts the process
-("terminate called without an active exception", SIGABRT). Here it happened about 1 run in
-150 under CPU load (once in CI's `test_expert_parallel_two_ranks_equal_one`), after the ranks
-had computed and written their results. torch's tests show the same abort with
+("terminate called without an active exception", SIGABRT). Here it happened in 1 of 30 runs
+with the CPU busy and 1 in about 300 overall (and once in CI's
+`test_expert_parallel_two_ranks_equal_one`), after the last collective of the work. torch's tests show the same abort with
 `_PyModule_ClearDict` on the stack (pytorch/pytorch#60998).
 """
 

@@ -50,12 +50,16 @@ def _run(cmd: list[str]) -> None:
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
+def _torchrun(procs: int, script: Path, *args: str) -> list[str]:
+    return [str(BIN / "torchrun"), f"--nproc_per_node={procs}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", str(script), *args]
+
+
 def _step(model: Path, out: Path, procs: int, *flags: str) -> dict:
     if procs == 1:
         _run([sys.executable, str(WORKER), str(model), str(out), *flags])
     else:
-        _run([str(BIN / "torchrun"), f"--nproc_per_node={procs}", "--master_addr=127.0.0.1",
-              f"--master_port={free_port()}", str(WORKER), str(model), str(out), *flags])
+        _run(_torchrun(procs, WORKER, str(model), str(out), *flags))
     return torch.load(out)
 
 
@@ -135,8 +139,6 @@ def test_a_rank_that_leaves_after_the_barrier_skips_the_interpreters_teardown(
     usual ending (barrier, destroy, return) runs it, leaving after the barrier does not."""
     script = tmp_path / "leaver.py"
     script.write_text(LEAVER)
-    proc = subprocess.run(
-        [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
-         f"--master_port={free_port()}", str(script), ending],
-        env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(_torchrun(2, script, ending), env=_env(), capture_output=True,
+                          text=True, timeout=120, check=False)
     assert (proc.returncode == 0) is exits_cleanly, proc.stderr[-3000:]

@@ -7,8 +7,8 @@ threads and 14 gloo work threads are still running after it. The groups are then
 while the interpreter clears its modules, and that teardown sometimes aborts the process
 ("terminate called without an active exception", SIGABRT). Here it happened in 1 of 30 runs
 with the CPU busy and 1 in about 300 overall (and once in CI's
-`test_expert_parallel_two_ranks_equal_one`), after the last collective of the work. torch's tests show the same abort with
-`_PyModule_ClearDict` on the stack (pytorch/pytorch#60998).
+`test_expert_parallel_two_ranks_equal_one`), after the last collective of the work. torch's
+tests show the same abort with `_PyModule_ClearDict` on the stack (pytorch/pytorch#60998).
 """
 
 from __future__ import annotations

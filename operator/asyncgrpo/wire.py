@@ -146,6 +146,55 @@ GATEWAY_MEMBERS_ENV = GATEWAY_ENV_PREFIX + "MEMBERS"
 #: keeps it: asyncgrpo.local.sandbox_pool); members it drops are removed, new ones added
 GATEWAY_MEMBERS_FILE_ENV = GATEWAY_ENV_PREFIX + "MEMBERS_FILE"
 GATEWAY_LIFECYCLE_ENV = GATEWAY_ENV_PREFIX + "LIFECYCLE"
+#: the most distinct sandbox images the gateway leases at once (spec.sandboxes.images.maxDistinct)
+GATEWAY_MAX_IMAGES_ENV = GATEWAY_ENV_PREFIX + "MAX_IMAGES"
+#: seconds a row image no lease asked for (and without sandboxes) stays in use
+GATEWAY_IMAGE_IDLE_ENV = GATEWAY_ENV_PREFIX + "IMAGE_IDLE_SECONDS"
+
+# -- a sandbox image per row (spec.sandboxes.imageColumn) ---------------------------------------
+#: label of every sandbox pod: which image it runs, as `sandbox_image_key` spells it; the
+#: gateway leases a group only a member whose label matches the image the lease asks for
+SANDBOX_IMAGE_LABEL = "asyncgrpo.dev/sandbox-image"
+#: the key of the run's own `spec.sandboxes.image` (and of a lease that names no image)
+DEFAULT_SANDBOX_IMAGE_KEY = "default"
+#: where a pod of a row's image finds the self-contained sandbox server an init container
+#: from the run's sandbox image writes (`asyncgrpo sandbox bundle`), and the entry it runs
+#: with the image's own python3
+SANDBOX_SERVER_BUNDLE_DIR = "/opt/asyncgrpo-server"
+SANDBOX_SERVER_BUNDLE_ENTRY = f"{SANDBOX_SERVER_BUNDLE_DIR}/asyncgrpo-sandbox.py"
+_IMAGE_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]{1,5})?/)?"
+#: a container image reference as the distribution spec's grammar writes one:
+#: [host[:port]/]path[:tag][@sha256:digest], at most 512 characters
+IMAGE_REFERENCE = (rf"^{_IMAGE_HOST}{_IMAGE_PART}(?:/{_IMAGE_PART})*"
+                   r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
+IMAGE_REFERENCE_MAX = 512
+
+
+def image_reference_problem(ref: object) -> str | None:
+    """Why `ref` is not an image a pod can be made of; None when it is one."""
+    import re
+
+    if not isinstance(ref, str) or not ref:
+        return f"an image reference is a non-empty string, not {type(ref).__name__} {ref!r}"[:200]
+    if len(ref) > IMAGE_REFERENCE_MAX:
+        return f"an image reference has at most {IMAGE_REFERENCE_MAX} characters, not {len(ref)}"
+    if not re.match(IMAGE_REFERENCE, ref):
+        return (f"{ref[:200]!r} is not an image reference ([host[:port]/]path[:tag]"
+                "[@sha256:digest], lower-case path)")
+    return None
+
+
+def sandbox_image_key(ref: str | None) -> str:
+    """The label value of the pods of image `ref` (None: the run's own image): a digest, since a
+    reference is longer than a label value may be and holds '/', ':' and '@'."""
+    import hashlib
+
+    if not ref:
+        return DEFAULT_SANDBOX_IMAGE_KEY
+    return "i" + hashlib.sha256(ref.encode()).hexdigest()[:20]
+
+
 #: set by a user (never by the operator) for the processes of one trainer that must share
 #: sandbox groups; read by asyncgrpo.sandbox.client.gateway_client
 GROUP_KEY_ENV = "ASYNCGRPO_GROUP_KEY"

@@ -24,6 +24,8 @@ import time
 from collections.abc import Iterable
 from urllib.parse import urlparse
 
+from asyncgrpo.wire import DEFAULT_SANDBOX_IMAGE_KEY, SANDBOX_IMAGE_LABEL
+
 log = logging.getLogger("asyncgrpo.sandbox.gateway.members")
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -111,6 +113,13 @@ def pod_member(pod, port: int) -> tuple[str, str | None]:
     return name, f"http://{host}:{port}"
 
 
+def pod_image_key(pod) -> str:
+    """The key of the image the pod runs (its `asyncgrpo.dev/sandbox-image` label, set by the
+    operator); a pod without one runs the run's own image."""
+    labels = pod.metadata.labels or {}
+    return labels.get(SANDBOX_IMAGE_LABEL) or DEFAULT_SANDBOX_IMAGE_KEY
+
+
 class KubernetesPodWatch:
     """Members from the pods matching `selector` in `namespace` (a list, then a watch).
 
@@ -143,7 +152,7 @@ class KubernetesPodWatch:
             if kind == "DELETED" or url is None:
                 pool.remove(name)
             else:
-                pool.upsert(name, url)
+                pool.upsert(name, url, pod_image_key(pod))
 
         def resync(names: set[str]) -> None:
             for name in [n for n in pool.members if n not in names]:

@@ -22,8 +22,13 @@ method here and nothing else writes `state`):
 - a sandbox is never handed out while dirty: every lease end goes through reset (or
   retirement), and every member's first appearance through a reset (a restarted gateway
   cannot know what ran before);
-- waiting requests queue per client (the caller's address): first come, first served within
-  a client, round-robin across clients, so one client's thousands of waiters delay another
+- a member runs one image (its pod's `asyncgrpo.dev/sandbox-image` label: the run's own
+  image is `default`) and a lease names the image its group needs: a group is only ever
+  granted a member of that image, and waits queue per image. At most `max_images` row
+  images are in use at once (members, waits, leases, or a request within `image_idle`);
+  a request for one more is `TooManyImages` (a 429), never a sandbox of another image;
+- waiting requests queue per image and client (the caller's address): first come, first
+  served within a client, round-robin across clients, so one client's thousands of waiters delay another
   client's group by at most one grant per waiting client; a client holds at most
   `max_waiters_per_client` waits (more is `TooManyWaiters`, a 429). Every queue operation is
   O(1) amortized (deques, lazy removal with compaction; counters instead of scans). The
@@ -48,6 +53,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from asyncgrpo.sandbox.gateway.metrics import GatewayMetrics
+from asyncgrpo.wire import DEFAULT_SANDBOX_IMAGE_KEY, sandbox_image_key
 
 STARTING, RESETTING, WARM, BUSY, UNHEALTHY, DRAINING, RETIRED = (
     "starting", "resetting", "warm", "busy", "unhealthy", "draining", "retired",
@@ -76,6 +82,16 @@ class NoSandbox(Exception):
     pass
 
 
+class TooManyImages(Exception):
+    """`max_images` row images are in use: a lease for another one is refused."""
+
+    def __init__(self, image: str, bound: int):
+        super().__init__(f"{bound} sandbox images are in use (spec.sandboxes.images.maxDistinct); "
+                         f"{image[:200]!r} is not one of them")
+        self.image = image
+        self.bound = bound
+
+
 class TooManyWaiters(Exception):
     """This client already has `max_waiters_per_client` lease requests waiting."""
 
@@ -100,13 +116,29 @@ class _Wait:
     fut: asyncio.Future
     scope: tuple[bytes, str]
     client: str
+    image: str = DEFAULT_SANDBOX_IMAGE_KEY
     done: bool = False
+
+
+@dataclass(eq=False)
+class _Image:
+    """One image's waits (a FIFO per client, a ring of the clients that have one) and its
+    retirements; `ref` is the reference leases named it by (None: the run's own image)."""
+
+    key: str
+    ref: str | None
+    last_used: float
+    queues: dict[str, collections.deque[_Wait]] = field(default_factory=dict)
+    ring: collections.deque[str] = field(default_factory=collections.deque)
+    waiting: int = 0
+    retired_at: collections.deque[float] = field(default_factory=collections.deque)
 
 
 @dataclass
 class Member:
     name: str
     url: str
+    image: str = DEFAULT_SANDBOX_IMAGE_KEY  # its pod's image key (wire.sandbox_image_key)
     state: str = STARTING
     lease_id: str | None = None
     health_failures: int = 0
@@ -151,6 +183,8 @@ class Pool:
         lifecycle: str = FRESH,
         retire_fn: Callable[[Member], Awaitable[None]] | None = None,
         max_waiters_per_client: int = 1024,
+        max_images: int = 8,
+        image_idle_seconds: float = 600.0,
     ):
         if lifecycle not in (FRESH, REUSE):
             raise ValueError(f"lifecycle must be {FRESH!r} or {REUSE!r}, not {lifecycle!r}")
@@ -160,33 +194,56 @@ class Pool:
         # lease id -> (how it ended, digest of its secret): late callers holding the secret
         # learn why; anyone else learns nothing
         self.ended: collections.OrderedDict[str, tuple[str, bytes]] = collections.OrderedDict()
-        # the lease queue: per client a FIFO of waits, and a ring of the clients that have one
-        self._queues: dict[str, collections.deque[_Wait]] = {}
-        self._live: dict[str, int] = {}          # waits not done, per client
-        self._ring: collections.deque[str] = collections.deque()
-        self._waiting = 0                        # waits not done, all clients
+        # the lease queues, one per image: per client a FIFO of waits and a ring of clients
+        self._images: dict[str, _Image] = {}
+        self._live: dict[str, int] = {}          # waits not done, per client (all images)
+        self._waiting = 0                        # waits not done, all clients and images
+        self.max_images = max_images
+        self.image_idle = image_idle_seconds
         self._group_waits: dict[tuple[bytes, str], _Wait] = {}
         self.max_waiters_per_client = max_waiters_per_client
         self.lifecycle = lifecycle
         self._retire_fn = retire_fn
         self.retired_total = 0
-        self._retired_at: collections.deque[float] = collections.deque()
         self._reset_fn = reset_fn
         self._tasks: set[asyncio.Task] = set()
         self.metrics = metrics
         self.ttl = lease_ttl_seconds
         self.max_age = lease_max_seconds
         self.clock = clock
+        self._images[DEFAULT_SANDBOX_IMAGE_KEY] = _Image(DEFAULT_SANDBOX_IMAGE_KEY, None, clock())
+
+    # -- images -------------------------------------------------------------------
+    def _image(self, ref: str | None) -> _Image:
+        """The image a lease asks for, made known here; TooManyImages past `max_images`."""
+        key = sandbox_image_key(ref)
+        img = self._images.get(key)
+        if img is None:
+            in_use = [k for k in self._images if k != DEFAULT_SANDBOX_IMAGE_KEY
+                      and self._in_use(self._images[k])]
+            if len(in_use) >= self.max_images:
+                self.metrics.rejected.labels(reason="too_many_images").inc()
+                raise TooManyImages(ref or "", self.max_images)
+            for k in [k for k in self._images if k != DEFAULT_SANDBOX_IMAGE_KEY and k not in in_use]:
+                del self._images[k]  # out of use: forgotten, its slot free
+            img = self._images[key] = _Image(key, ref, self.clock())
+        img.last_used = self.clock()
+        return img
+
+    def _in_use(self, img: _Image) -> bool:
+        return (img.waiting > 0 or self.clock() - img.last_used < self.image_idle
+                or any(m.image == img.key and m.state != RETIRED for m in self.members.values()))
 
     # -- membership (from the member source and the health checker) ------------
-    def upsert(self, name: str, url: str) -> None:
+    def upsert(self, name: str, url: str, image: str = DEFAULT_SANDBOX_IMAGE_KEY) -> None:
+        """A member at `url` running the image of key `image` (its pod's label)."""
         m = self.members.get(name)
         if m is None:
-            self.members[name] = Member(name, url)
+            self.members[name] = Member(name, url, image)
             self.metrics.spawned.inc()
-        elif m.url != url:  # same pod name, new address: a new sandbox
+        elif m.url != url or m.image != image:  # same pod name, new address: a new sandbox
             self._take_out(m, "replaced")
-            self.members[name] = Member(name, url)
+            self.members[name] = Member(name, url, image)
             self.metrics.spawned.inc()
         self._publish()
 
@@ -241,14 +298,16 @@ class Pool:
 
     # -- leases -----------------------------------------------------------------
     async def acquire(self, group_id: str, wait_seconds: float, *, key: str | None = None,
-                      client: str = "", scope: tuple[bytes, str] | None = None) -> tuple[Lease, bool]:
-        """Lease for the group (`group_id` under `key`); True in the tuple if this call joined
-        an existing lease. `client` names the queue the wait goes in (the caller's address)."""
+                      client: str = "", scope: tuple[bytes, str] | None = None,
+                      image: str | None = None) -> tuple[Lease, bool]:
+        """Lease for the group (`group_id` under `key`) on a sandbox of `image` (None: the
+        run's own); True in the tuple if this call joined an existing lease. `client` names
+        the queue the wait goes in (the caller's address)."""
         scope = scope or group_scope(group_id, key)
         t0 = self.clock()
         deadline = t0 + wait_seconds
         while True:
-            hit = self.try_acquire(group_id, t0, scope=scope)
+            hit = self.try_acquire(group_id, t0, scope=scope, image=image)
             if hit is not None:
                 return hit
             shared = self._group_waits.get(scope)
@@ -263,7 +322,7 @@ class Pool:
             except asyncio.CancelledError:
                 if not shared.fut.cancelled():
                     raise  # this request itself was cancelled
-        w = self._enqueue(scope, client)
+        w = self._enqueue(scope, client, self._image(image))
         try:
             await asyncio.wait_for(asyncio.shield(w.fut), max(0.0, deadline - self.clock()))
         except TimeoutError:
@@ -289,19 +348,20 @@ class Pool:
         self.metrics.lease_wait.labels(start="cold").observe(self.clock() - t0)
         return lease, False
 
-    def _enqueue(self, scope: tuple[bytes, str], client: str) -> _Wait:
+    def _enqueue(self, scope: tuple[bytes, str], client: str, img: _Image) -> _Wait:
         live = self._live.get(client, 0)
         if live >= self.max_waiters_per_client:
             self.metrics.rejected.labels(reason="too_many_waiters").inc()
             raise TooManyWaiters(client, self.max_waiters_per_client)
-        w = _Wait(asyncio.get_running_loop().create_future(), scope, client)
-        q = self._queues.get(client)
+        w = _Wait(asyncio.get_running_loop().create_future(), scope, client, img.key)
+        q = img.queues.get(client)
         if q is None:
-            q = self._queues[client] = collections.deque()
-            self._ring.append(client)
+            q = img.queues[client] = collections.deque()
+            img.ring.append(client)
         q.append(w)
         self._live[client] = live + 1
         self._waiting += 1
+        img.waiting += 1
         self._group_waits[scope] = w
         self._publish_waiting()
         return w
@@ -315,6 +375,7 @@ class Pool:
         else:
             del self._live[w.client]
         self._waiting -= 1
+        self._images[w.image].waiting -= 1
 
     def _abandon(self, w: _Wait) -> None:
         """A wait that timed out or was cancelled: counted out now, removed from its deque
@@ -322,42 +383,49 @@ class Pool:
         if w.done:
             return
         self._settle(w)
-        q = self._queues.get(w.client)
+        img = self._images[w.image]
+        q = img.queues.get(w.client)
         if q is not None and len(q) > 2 * self._live.get(w.client, 0) + 64:
             alive = collections.deque(x for x in q if not x.done)
             if alive:
-                self._queues[w.client] = alive
+                img.queues[w.client] = alive
             else:  # the ring entry of this client is dropped when the ring reaches it
-                del self._queues[w.client]
+                del img.queues[w.client]
         self._publish_waiting()
 
-    def _next_waiter(self) -> _Wait | None:
-        """The next live wait, round-robin across clients, FIFO within one."""
-        while self._ring:
-            client = self._ring.popleft()
-            q = self._queues.get(client)
+    def _next_waiter(self, image: str) -> _Wait | None:
+        """The next live wait for `image`, round-robin across clients, FIFO within one."""
+        img = self._images.get(image)
+        if img is None:
+            return None
+        while img.ring:
+            client = img.ring.popleft()
+            q = img.queues.get(client)
             while q and q[0].done:
                 q.popleft()
             if not q:
-                self._queues.pop(client, None)
+                img.queues.pop(client, None)
                 continue
             w = q.popleft()
             while q and q[0].done:
                 q.popleft()
             if q:
-                self._ring.append(client)
+                img.ring.append(client)
             else:
-                del self._queues[client]
+                del img.queues[client]
             return w
         return None
 
     def try_acquire(self, group_id: str, t0: float | None = None, *, key: str | None = None,
-                    scope: tuple[bytes, str] | None = None) -> tuple[Lease, bool] | None:
-        """`acquire` without waiting: join the group's lease, or take a warm sandbox, or None.
+                    scope: tuple[bytes, str] | None = None,
+                    image: str | None = None) -> tuple[Lease, bool] | None:
+        """`acquire` without waiting: join the group's lease, or take a warm sandbox of
+        `image` (None: the run's own), or None.
 
         None as well while another request of the group waits (it must share that wait). A
-        warm sandbox never jumps the queue: one that turns warm goes to the next waiter at
-        once (`_offer`), so while any request waits none is warm.
+        warm sandbox never jumps the queue: one that turns warm goes to the next waiter of
+        its image at once (`_offer`), so while any request waits for an image none of that
+        image is warm. A group's lease runs the image its first request named.
         """
         scope = scope or group_scope(group_id, key)
         t0 = self.clock() if t0 is None else t0
@@ -366,7 +434,7 @@ class Pool:
             return lease, True
         if scope in self._group_waits:
             return None
-        m = self._first_warm()
+        m = self._first_warm(self._image(image).key)
         if m is None:
             return None
         lease = self._grant(m, scope, t0)
@@ -382,9 +450,9 @@ class Pool:
         lease.last_seen = self.clock()
         return lease
 
-    def _first_warm(self) -> Member | None:
+    def _first_warm(self, image: str) -> Member | None:
         # the member idle the longest: spreads wear, keeps recently reset ones hot in cache
-        warm = [m for m in self.members.values() if m.state == WARM]
+        warm = [m for m in self.members.values() if m.state == WARM and m.image == image]
         return min(warm, key=lambda m: m.since) if warm else None
 
     def _grant(self, m: Member, scope: tuple[bytes, str], t0: float) -> Lease:
@@ -404,8 +472,8 @@ class Pool:
         return lease
 
     def _offer(self, m: Member) -> None:
-        """A sandbox became warm: give it to the next waiter still waiting."""
-        w = self._next_waiter()
+        """A sandbox became warm: give it to the next waiter for its image still waiting."""
+        w = self._next_waiter(m.image)
         if w is None:
             return
         lease = self._grant(m, w.scope, self.clock())
@@ -491,7 +559,10 @@ class Pool:
         the pod waits for its deletion."""
         m.state, m.since, m.next_secret = RETIRED, self.clock(), None
         self.retired_total += 1
-        self._retired_at.append(m.since)
+        img = self._images.get(m.image)
+        if img is None:  # a member of an image no lease named yet (or forgotten)
+            img = self._images[m.image] = _Image(m.image, None, m.since)
+        img.retired_at.append(m.since)
         self.metrics.retired.inc()
         self._publish()
         if self._retire_fn is not None:
@@ -499,7 +570,7 @@ class Pool:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def consumption_per_second(self) -> float:
+    def consumption_per_second(self, image: str | None = None) -> float:
         """Sandboxes retired per second lately: the rate the operator must create pods at to
         keep the warm pool where it is. Retirements of the last `CONSUMPTION_WINDOW_SECONDS`,
         over the span since the oldest of them (at least `CONSUMPTION_MIN_SPAN_SECONDS`).
@@ -507,16 +578,21 @@ class Pool:
         Dividing by the whole window made a run that had just started consuming read a
         fraction of its rate (0.5 leases/s read 0.1/s after 12 s on the test node), so the
         operator kept the warm pool at minWarm while leases waited for pods
-        (docs/benchmarks/sandbox-pool.md)."""
+        (docs/benchmarks/sandbox-pool.md). `image`: of that image's key alone; None: all."""
+        if image is None:
+            return sum(self.consumption_per_second(k) for k in list(self._images))
+        img = self._images.get(image)
+        if img is None:
+            return 0.0
         now = self.clock()
         horizon = now - CONSUMPTION_WINDOW_SECONDS
-        while self._retired_at and self._retired_at[0] < horizon:
-            self._retired_at.popleft()
-        if not self._retired_at:
+        retired = img.retired_at
+        while retired and retired[0] < horizon:
+            retired.popleft()
+        if not retired:
             return 0.0
-        span = min(CONSUMPTION_WINDOW_SECONDS,
-                   max(CONSUMPTION_MIN_SPAN_SECONDS, now - self._retired_at[0]))
-        return len(self._retired_at) / span
+        span = min(CONSUMPTION_WINDOW_SECONDS, max(CONSUMPTION_MIN_SPAN_SECONDS, now - retired[0]))
+        return len(retired) / span
 
     def _start_reset(self, m: Member) -> None:
         m.state, m.since = RESETTING, self.clock()
@@ -571,7 +647,26 @@ class Pool:
             "leases_active": len(self.leases),
             "members": {m.name: m.state for m in self.members.values()},
             "unhealthy_members": sorted(m.name for m in self.members.values() if m.state == UNHEALTHY),
+            "images": self._image_demand(),
         }
+
+    def _image_demand(self) -> dict[str, dict]:
+        """The demand of each image in use (the operator plans a pool per image): the same
+        counts as the totals, the reference to make its pods of, and the seconds since a
+        lease last asked for it (warm pods of a row image are kept only while it is used)."""
+        now = self.clock()
+        counts: dict[str, dict[str, int]] = {k: dict.fromkeys(STATES, 0) for k in self._images}
+        for m in self.members.values():  # a member of an image no lease named since a restart too
+            counts.setdefault(m.image, dict.fromkeys(STATES, 0))[m.state] += 1
+        out: dict[str, dict] = {}
+        for key, c in counts.items():
+            img = self._images.get(key)
+            out[key] = {
+                "image": img.ref if img else None, "busy": c[BUSY], "idle": c[WARM] + c[RESETTING],
+                "waiting": img.waiting if img else 0, "starting": c[STARTING], "retired": c[RETIRED],
+                "consumption_per_second": round(self.consumption_per_second(key), 4),
+                "idle_seconds": round(now - img.last_used, 3) if img else None}
+        return out
 
     def _publish(self) -> None:
         for state, n in self.counts().items():
@@ -585,7 +680,8 @@ class Pool:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for q in self._queues.values():
-            for w in q:
-                if not w.fut.done():
-                    w.fut.cancel()
+        for img in self._images.values():
+            for q in img.queues.values():
+                for w in q:
+                    if not w.fut.done():
+                        w.fut.cancel()

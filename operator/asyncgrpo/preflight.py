@@ -316,6 +316,36 @@ def check_data(run, bucket=None) -> tuple[list[FieldError | str], list[dict[str,
     return problems, rows
 
 
+def check_row_images(run, rows: list[dict[str, Any]]) -> Iterator[FieldError | str]:
+    """The first rows' `spec.sandboxes.imageColumn` values are image references (or null:
+    the run's own image). Whether each image has a python3 shows when its pod starts
+    (`SandboxImageRefused`); a malformed reference is refused here, naming the row."""
+    sb = run.spec.sandboxes
+    if sb is None or sb.image_column is None or not rows:
+        return
+    col = sb.image_column
+    where = (f"spec.data.columns.{col}" if col in run.spec.data.columns
+             else "spec.sandboxes.imageColumn")
+    if all(col not in r for r in rows):
+        yield FieldError(where, f"no column {col!r} in the first {len(rows)} rows "
+                         f"(columns: {', '.join(sorted(rows[0]))[:300]})")
+        return
+    images = set()
+    for i, row in enumerate(rows):
+        ref = row.get(col)
+        if ref in (None, ""):
+            continue
+        problem = wire.image_reference_problem(ref)
+        if problem:
+            yield FieldError(where, f"row {i}: {problem}")
+            return
+        images.add(ref)
+    if len(images) > sb.images.max_distinct:
+        yield (f"spec.sandboxes.images.maxDistinct: the first {len(rows)} rows name "
+               f"{len(images)} images, above maxDistinct {sb.images.max_distinct}: a lease for "
+               "another image is refused (too_many_images) while that many are in use")
+
+
 def check_chat_template(run) -> Iterator[FieldError]:
     """spec.model.chatTemplatePath exists (the text is checked with the tokenizer)."""
     from asyncgrpo.trainer.data import DataError, read_chat_template
@@ -462,6 +492,7 @@ def preflight(run, *, bucket=None, tokenizer: bool = True) -> PreflightReport:
     problems, rows = timed("data", lambda: check_data(run, bucket))
     take(problems, "data")
     columns = set().union(*(set(r) - {"prompt"} for r in rows)) if rows else None
+    take(check_row_images(run, rows), "row images")
     take(timed("modules", lambda: list(check_modules(run, columns))), "modules")
     if tok and rows:
         take(timed("prompt lengths", lambda: list(check_prompt_lengths(run, tok[0], rows))),

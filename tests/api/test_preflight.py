@@ -259,3 +259,39 @@ def test_parquet_datasets_folders_messages_and_templates_are_checked_on_their_fi
                                          " == 'system' }}")
     errors, _ = _errors(_run(template(str(tmp_path / "chat.jinja"))), monkeypatch, demo)
     assert "fails on a system and a user turn" in errors["spec.model.chatTemplatePath"]
+
+
+def test_a_rows_image_that_is_no_image_reference_names_the_row(demo, monkeypatch, tmp_path):
+    """spec.sandboxes.imageColumn: each of the first rows names an image a pod can be made of
+    (or none: the run's own); a malformed one is refused with its row, a missing column too."""
+    rows = tmp_path / "swe.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": "fix it", "docker_image": "registry.example/swe/django-11099:v1"},
+        {"prompt": "fix it", "docker_image": None},
+        {"prompt": "fix it", "docker_image": "Registry Example/bad image"})))
+
+    def per_row(spec, column="image"):
+        spec["data"].update(path=str(rows), columns={"image": {"field": "docker_image"}})
+        spec["harness"] = {"type": "multi-turn", "maxTurns": 2, "tools": ["shell"]}
+        spec["sandboxes"] = {"imageColumn": column}
+
+    errors, _ = _errors(_run(per_row), monkeypatch, demo, tokenizer=False)
+    assert "row 2:" in errors["spec.data.columns.image"]
+    assert "is not an image reference" in errors["spec.data.columns.image"]
+    errors, _ = _errors(_run(lambda s: per_row(s, "img")), monkeypatch, demo, tokenizer=False)
+    assert "no column 'img'" in errors["spec.sandboxes.imageColumn"]
+    rows.write_text(rows.read_text().replace("Registry Example/bad image", "python:3.11-slim"))
+    errors, _ = _errors(_run(per_row), monkeypatch, demo, tokenizer=False)
+    assert not {k for k in errors if "image" in k.lower()}, errors
+
+
+def test_a_local_run_refuses_rows_naming_images(tmp_path):
+    from asyncgrpo.local.backend import LocalBackend, LocalRunError
+
+    def per_row(spec):
+        spec["harness"] = {"type": "multi-turn", "maxTurns": 2, "tools": ["shell"]}
+        spec["sandboxes"] = {"imageColumn": "image"}
+
+    backend = LocalBackend(_run(per_row), tmp_path)
+    with pytest.raises(LocalRunError, match="spec.sandboxes.imageColumn"):
+        backend.check()

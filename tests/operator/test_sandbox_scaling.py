@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncgrpo.api.v1alpha1 import AsyncGRPORun, SandboxSpec
+from asyncgrpo.api.v1alpha1 import AsyncGRPORun, SandboxImagesSpec, SandboxSpec
 from asyncgrpo.controller import sandbox_scaling as scaling
 from asyncgrpo.controller.sandbox_scaling import (
     Demand,
     Expectations,
+    ImageDemand,
     PodView,
     free_names,
     plan,
+    plan_images,
     refill_warm,
 )
+from asyncgrpo.wire import sandbox_image_key
 from tests.operator.helpers import example
 
 SPEC = SandboxSpec(min_warm=2, max=20, hard_cap=25, idle_ttl_seconds=60)
@@ -251,3 +256,115 @@ def test_two_actors_with_the_same_view_collide_instead_of_adding():
     tick(server, old, view, 5)
     tick(server, new, view, 5)
     assert sorted(server.history[-1]) == [f"r-sandbox-{i}" for i in range(5)]
+
+
+# ---------------------------------------------------------------- a pool per row image
+
+A = "registry.example/swe/task-a:1"
+B = "registry.example/swe/task-b:1"
+
+
+def _image_pods(image, *names, **kw):
+    return [PodView(name=n, phase="Running", ready=True, image_key=sandbox_image_key(image),
+                    image=image, **kw) for n in names]
+
+
+def _by_key(plans):
+    return {ip.key: ip for ip in plans}
+
+
+def test_one_image_plans_as_the_single_pool_did():
+    """A gateway without per-image demand, and a run without row images, plan exactly as
+    `plan` did: the run's own image is the whole pool."""
+    d = Demand(busy=2, waiting=30, members={"a": "busy", "b": "busy"})
+    (only,) = plan_images(SPEC, pods("a", "b"), {}, set(), d, {})
+    assert only.key == "default" and only.image is None
+    assert only.plan == plan(SPEC, pods("a", "b"), set(), set(), d, 0)
+
+
+def test_a_row_image_with_waiting_leases_gets_pods_of_its_image_cold():
+    d = Demand(members={"d0": "warm", "d1": "warm"}, idle=2, waiting=3, images={
+        "default": ImageDemand(idle=2, idle_seconds=0.0),
+        sandbox_image_key(A): ImageDemand(waiting=3, image=A, idle_seconds=0.0)})
+    plans = _by_key(plan_images(SPEC, pods("d0", "d1"), {}, set(), d, {}))
+    assert plans[sandbox_image_key(A)].image == A and plans[sandbox_image_key(A)].plan.create == 3
+    assert plans["default"].plan.create == 0   # its minWarm 2 is there
+    # minWarmPerImage keeps warm pods of a row image in use, beyond what waits
+    spec = SPEC.model_copy(update={"images": SandboxImagesSpec(min_warm_per_image=1)})
+    assert _by_key(plan_images(spec, pods("d0", "d1"), {}, set(), d, {}))[
+        sandbox_image_key(A)].plan.create == 4
+
+
+def test_all_images_together_stay_within_max_the_most_waiting_first():
+    spec = SandboxSpec(min_warm=1, max=6, hard_cap=25, idle_ttl_seconds=60)
+    d = Demand(members={"d0": "busy", "d1": "busy", "a0": "busy"}, images={
+        "default": ImageDemand(busy=2, waiting=1, idle_seconds=0.0),
+        sandbox_image_key(A): ImageDemand(busy=1, waiting=2, image=A, idle_seconds=0.0),
+        sandbox_image_key(B): ImageDemand(waiting=5, image=B, idle_seconds=0.0)})
+    plans = plan_images(spec, pods("d0", "d1") + _image_pods(A, "a0"), {}, set(), d, {})
+    assert plans[0].image == B   # the room went to the most waiting first
+    creates = {ip.image: ip.plan.create for ip in plans}
+    assert sum(creates.values()) == 3 and creates == {B: 3, None: 0, A: 0}   # 6 - 3 live
+    # the pending creations of one image count toward the whole run's max
+    again = plan_images(spec, pods("d0", "d1") + _image_pods(A, "a0"),
+                        {"p0": sandbox_image_key(B), "p1": sandbox_image_key(B),
+                         "p2": sandbox_image_key(B)}, set(), d, {})
+    assert sum(ip.plan.create for ip in again) == 0
+
+
+def test_a_row_image_out_of_use_loses_its_pods_after_idle_ttl():
+    d = Demand(members={"a0": "warm", "a1": "warm"}, images={
+        sandbox_image_key(A): ImageDemand(idle=2, image=A, idle_seconds=500.0)})
+    spec = SPEC.model_copy(update={"images": SandboxImagesSpec(min_warm_per_image=1)})
+    key = sandbox_image_key(A)
+    soon = _by_key(plan_images(spec, _image_pods(A, "a0", "a1"), {}, set(), d, {key: 10.0}))[key]
+    assert soon.plan.delete == [] and soon.plan.target == 0   # not used for idleTtl: no warm kept
+    later = _by_key(plan_images(spec, _image_pods(A, "a0", "a1"), {}, set(), d, {key: 61.0}))[key]
+    assert sorted(later.plan.delete) == ["a0", "a1"]
+    # used lately: minWarmPerImage is kept
+    recent = Demand(members=d.members, images={key: ImageDemand(idle=2, image=A, idle_seconds=5.0)})
+    kept = _by_key(plan_images(spec, _image_pods(A, "a0", "a1"), {}, set(), recent, {key: 61.0}))[key]
+    assert kept.plan.delete == ["a0"]
+
+
+def test_a_row_images_demand_that_is_not_its_keys_image_is_refused_as_data():
+    from asyncgrpo.controller import untrusted
+
+    good = untrusted.demand(json.dumps({"images": {sandbox_image_key(A): {
+        "image": A, "waiting": 2, "idle_seconds": 1.5}}}).encode())
+    assert good.images[sandbox_image_key(A)] == ImageDemand(waiting=2, image=A, idle_seconds=1.5)
+    for bad in ({sandbox_image_key(A): {"image": B}},            # another image under A's key
+                {sandbox_image_key("a b"): {"image": "a b"}},    # not a reference
+                {"default": {"waiting": "x"}},
+                {f"i{n}": {} for n in range(100)}):              # unbounded
+        try:
+            untrusted.demand(json.dumps({"images": bad}).encode())
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+
+
+def test_a_row_images_pod_runs_its_image_with_the_server_from_an_init_container():
+    from asyncgrpo import wire
+    from asyncgrpo.controller import sandboxes
+    from asyncgrpo.controller.observe import summarize
+
+    run = AsyncGRPORun.model_validate(example("multi-turn-sandboxes.yaml"))
+    own, row = sandboxes.build_pod(run, "0"), sandboxes.build_pod(run, "1", image=A)
+    assert own["metadata"]["labels"][wire.SANDBOX_IMAGE_LABEL] == "default"
+    assert "initContainers" not in own["spec"]
+    (init,) = row["spec"]["initContainers"]
+    (main,) = row["spec"]["containers"]
+    assert init["image"] == run.spec.sandboxes.image
+    assert init["command"] == ["asyncgrpo", "sandbox", "bundle", wire.SANDBOX_SERVER_BUNDLE_DIR]
+    assert main["image"] == A and main["command"][:3] == ["python3", "-I", "-S"]
+    assert {"name": "server", "mountPath": wire.SANDBOX_SERVER_BUNDLE_DIR, "readOnly": True} \
+        in main["volumeMounts"]
+    assert init["securityContext"] == main["securityContext"]   # non-root, no escalation
+    # one template: a row image's pod is not outdated
+    assert row["metadata"]["annotations"]["asyncgrpo.dev/spec-hash"] == sandboxes.current_hash(run)
+    seen = summarize(row)
+    assert (seen.image_key, seen.image) == (sandbox_image_key(A), A)
+    # an annotation naming another image than the label's key is not believed
+    row["metadata"]["annotations"]["asyncgrpo.dev/sandbox-image-ref"] = B
+    assert summarize(row).image is None

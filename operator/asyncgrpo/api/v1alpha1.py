@@ -461,6 +461,20 @@ class SandboxNetworkSpec(Model):
     )
 
 
+class SandboxImagesSpec(Model):
+    """The pools of the images rows name (spec.sandboxes.imageColumn): one pool per image in
+    use, all within the run's max and hardCap."""
+
+    max_distinct: int = Field(
+        default=8, ge=1, le=64,
+        description="Most distinct row images leased at once; a lease for one more is refused "
+        "(too_many_images) until an image has had no sandbox for idleTtlSeconds.")
+    min_warm_per_image: int = Field(
+        default=0, ge=0, le=64,
+        description="Idle sandboxes kept ready for each row image in use (0: a row image's "
+        "sandboxes start cold, on demand; the wait is reported).")
+
+
 class SandboxSpec(Model):
     """Pool of sandbox pods where multi-turn rollouts run their tool calls."""
 
@@ -499,6 +513,17 @@ class SandboxSpec(Model):
     gateway_pod: PodSettings = Field(default_factory=PodSettings,
                                      description="Placement and extras of the sandbox "
                                      "gateway's pod, over spec.pod.")
+    # a sandbox image per row (issue 25, SWE-style data sets)
+    image_column: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="A data column naming the image each row's sandbox runs (make one from "
+        "any source field with spec.data.columns, e.g. {image: {field: docker_image}}); a "
+        "row whose column is null or empty gets spec.sandboxes.image. The image needs only "
+        "a python3 (3.9 or newer): an init container from spec.sandboxes.image puts the "
+        "sandbox server in the pod. Cluster runs only.")
+    images: SandboxImagesSpec = Field(
+        default_factory=lambda: SandboxImagesSpec(),
+        description="Pools of the rows' images (with imageColumn).")
 
 
 # ---------------------------------------------------------------- adapter store

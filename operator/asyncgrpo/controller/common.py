@@ -27,6 +27,8 @@ MANAGED_BY = "asyncgrpo-operator"
 RUN_LABEL = f"{API_GROUP}/run"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 HASH_ANNOTATION = f"{API_GROUP}/spec-hash"
+#: on a sandbox pod of a row's image: the image's full reference (its label holds the key)
+SANDBOX_IMAGE_ANNOTATION = f"{API_GROUP}/sandbox-image-ref"
 
 # uid/gid of the `asyncgrpo` user in every image (images/*/Dockerfile)
 RUN_AS_USER = 65532

@@ -53,6 +53,8 @@ def build_deployment(run: AsyncGRPORun, replicas: int = 1) -> dict[str, Any]:
          "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": wire.GATEWAY_SANDBOX_PORT_ENV, "value": str(wire.SANDBOX_PORT)},
         {"name": wire.GATEWAY_MAX_EXEC_ENV, "value": str(sb.exec_timeout_seconds)},
+        {"name": wire.GATEWAY_MAX_IMAGES_ENV, "value": str(sb.images.max_distinct)},
+        {"name": wire.GATEWAY_IMAGE_IDLE_ENV, "value": str(sb.idle_ttl_seconds)},
         {"name": wire.GATEWAY_LIFECYCLE_ENV,
          "value": "reuse" if sb.lifecycle == "Reuse" else "fresh"},
         {"name": wire.GATEWAY_TOKEN_ENV,

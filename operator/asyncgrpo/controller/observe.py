@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncgrpo import API_GROUP
+from asyncgrpo import API_GROUP, wire
 from asyncgrpo.controller import untrusted
-from asyncgrpo.controller.common import COMPONENT_LABEL, HASH_ANNOTATION
+from asyncgrpo.controller.common import COMPONENT_LABEL, HASH_ANNOTATION, SANDBOX_IMAGE_ANNOTATION
 
 #: On the run's ConfigMap: the checkpoint identity (`api.validation.checkpoint_identity`) of
 #: the spec the operator first applied. The immutability check reads it here, where only the
@@ -57,6 +57,10 @@ class Child:
     identity: str = ""
     #: a ready pod's start: creation to its Ready condition, in seconds (None before Ready)
     start_seconds: float | None = None
+    #: a sandbox pod's image key (wire.sandbox_image_key) and, for a row's image, its
+    #: reference (None: the run's own image)
+    image_key: str = wire.DEFAULT_SANDBOX_IMAGE_KEY
+    image: str | None = None
 
 
 def _pod_fields(status: dict[str, Any]) -> dict[str, Any]:
@@ -127,6 +131,8 @@ def summarize(body: dict[str, Any]) -> Child:
         fields = _job_fields(status)
     owner = next((o.get("uid", "") for o in meta.get("ownerReferences") or []
                   if o.get("controller")), "")
+    if kind == "Pod":
+        fields |= _pod_image(meta)
     return Child(kind=kind, name=meta.get("name", ""),
                  component=(meta.get("labels") or {}).get(COMPONENT_LABEL, ""),
                  hash=(meta.get("annotations") or {}).get(HASH_ANNOTATION),
@@ -134,6 +140,16 @@ def summarize(body: dict[str, Any]) -> Child:
                  owner_uid=owner,
                  identity=str((meta.get("annotations") or {}).get(IDENTITY_ANNOTATION) or "")
                  [:4096], **fields)
+
+
+def _pod_image(meta: dict[str, Any]) -> dict[str, Any]:
+    """A sandbox pod's image key and row image, as `sandboxes.build_pod` labelled it."""
+    key = str((meta.get("labels") or {}).get(wire.SANDBOX_IMAGE_LABEL) or wire.DEFAULT_SANDBOX_IMAGE_KEY)
+    ref = (meta.get("annotations") or {}).get(SANDBOX_IMAGE_ANNOTATION)
+    if key == wire.DEFAULT_SANDBOX_IMAGE_KEY or not isinstance(ref, str) \
+            or wire.sandbox_image_key(ref) != key:
+        return {"image_key": key, "image": None}
+    return {"image_key": key, "image": ref}
 
 
 def workload(children: list[Child], component: str) -> Child | None:

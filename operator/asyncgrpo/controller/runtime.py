@@ -132,7 +132,10 @@ class RunState:
     bucket: BucketState = field(default_factory=BucketState)
     secret_ready: bool = False
     gateway_token: str | None = None
-    excess_since: float | None = None
+    #: per image key: since when its sandbox pool has been above its target
+    excess_since: dict[str, float] = field(default_factory=dict)
+    #: the image key of each sandbox pod this operator created (until the cache shows it)
+    sandbox_image_of: dict[str, str] = field(default_factory=dict)
     spawned_total: int = 0
     #: sandbox pods this run may create in the reconcile under way (the per-namespace cap)
     sandbox_reserved: int = 0

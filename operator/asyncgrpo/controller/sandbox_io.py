@@ -83,20 +83,25 @@ def scale(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun
     pods = [sandbox_scaling.PodView(name=c.name, phase=c.phase, ready=c.ready,
                                     failed=c.phase == "Failed" or c.problem in STUCK_REASONS,
                                     unschedulable=c.unschedulable, deleting=c.deleting,
-                                    outdated=c.hash != current, start_seconds=c.start_seconds)
+                                    outdated=c.hash != current, start_seconds=c.start_seconds,
+                                    image_key=c.image_key, image=c.image)
             for c in children if c.kind == "Pod" and c.component == sandboxes.COMPONENT]
     adds, dels = rt.expectations.observe(key, [p.name for p in pods])
+    state.sandbox_image_of = {n: k for n, k in state.sandbox_image_of.items() if n in adds}
     demand = None
     if not stopped and ready(children, gateway.COMPONENT):
         demand = fetch_demand(rt, obs, ns, name, budget)
-    excess_for = time.monotonic() - state.excess_since if state.excess_since else 0.0
-    plan = sandbox_scaling.plan(spec, pods, adds, dels, demand, excess_for, suspended=stopped,
-                                max_step=rt.settings.pool_max_step,
-                                resync_seconds=rt.settings.resync_seconds)
-    if plan.target < plan.live and not stopped:
-        state.excess_since = state.excess_since or time.monotonic()
-    else:
-        state.excess_since = None
+    now = time.monotonic()
+    image_plans = sandbox_scaling.plan_images(
+        spec, pods, {n: state.sandbox_image_of.get(n, wire.DEFAULT_SANDBOX_IMAGE_KEY) for n in adds},
+        dels, demand, {k: now - t for k, t in state.excess_since.items()}, suspended=stopped,
+        max_step=rt.settings.pool_max_step, resync_seconds=rt.settings.resync_seconds)
+    state.excess_since = {ip.key: state.excess_since.get(ip.key, now) for ip in image_plans
+                          if ip.plan.target < ip.plan.live and not stopped}
+    plan = sandbox_scaling.Plan(
+        sum(ip.plan.create for ip in image_plans), [n for ip in image_plans for n in ip.plan.delete],
+        [n for ip in image_plans for n in ip.plan.replace], sum(ip.plan.live for ip in image_plans),
+        sum(ip.plan.target for ip in image_plans))
 
     created, error = 0, None
     if state.pool_error is not None and state.pool_error[2] == current \
@@ -115,9 +120,14 @@ def scale(rt: Runtime, state: RunState, owner: dict[str, Any], run: AsyncGRPORun
         plan = sandbox_scaling.Plan(granted, plan.delete, plan.replace, plan.live, plan.target)
     taken = {p.name for p in pods} | adds | {c.name for c in foreign if c.kind == "Pod"}
     prefix = sandboxes.pod_prefix(run)
+    # the images of the creations in the plans' order (the images with waiting leases got
+    # the room first), cut to what the namespace cap granted
+    images = [ip.image for ip in image_plans for _ in range(ip.plan.create)][:plan.create]
     try:
-        for pod in sandbox_scaling.free_names(prefix, taken, plan.create):
-            body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"))
+        for pod, image in zip(sandbox_scaling.free_names(prefix, taken, plan.create), images,
+                              strict=True):
+            body = sandboxes.build_pod(run, pod.removeprefix(prefix + "-"), image=image)
+            state.sandbox_image_of[pod] = wire.sandbox_image_key(image)
             kopf.adopt(body, owner=owner)
             rt.expectations.expect_create(key, pod)   # kept on AlreadyExists: it exists
             rt.release_sandbox(state)   # counted as expected now (after: never zero times)

@@ -21,6 +21,13 @@ answering) or retired (lifecycle FreshPerGroup: it served its one group) are del
 replaced in the same reconcile, as the sizing contract asks. The operator deletes them, not
 the gateway: RBAC cannot narrow `delete` to the run's sandbox pods by label, so a gateway
 allowed to delete could delete every pod of the namespace; it stays read-only.
+
+With a sandbox image per row (`spec.sandboxes.imageColumn`) the pool is one pool per image in
+use (`plan_images`): each is planned by the same rule from the gateway's demand for its image
+(the run's own image keeps `minWarm`; a row image keeps `images.minWarmPerImage` while a
+lease asked for it within `idleTtlSeconds`, else none, so its sandboxes start cold), and the
+creations of all of them together stay within `max` and `hardCap`, the images with waiting
+leases served first.
 """
 
 from __future__ import annotations
@@ -33,12 +40,28 @@ from dataclasses import dataclass, field
 
 from asyncgrpo.api.v1alpha1 import SandboxSpec
 from asyncgrpo.sandbox.operator.sizing import desired_pool_size
+from asyncgrpo.wire import DEFAULT_SANDBOX_IMAGE_KEY
 
 #: Gateway member states (asyncgrpo.sandbox.gateway.pool) a pod may be drained and deleted in.
 DELETABLE_STATES = frozenset({"warm", "draining"})
 #: Gateway member states whose pods are deleted at once and replaced: out of service, or
 #: retired after serving their one group (lifecycle FreshPerGroup).
 REPLACED_STATES = frozenset({"unhealthy", "retired"})
+
+
+@dataclass(frozen=True)
+class ImageDemand:
+    """The demand for one image (`images` of the gateway's demand)."""
+
+    busy: int = 0
+    idle: int = 0
+    waiting: int = 0
+    starting: int = 0
+    consumption_per_second: float = 0.0
+    #: the reference leases named (None: the run's own image)
+    image: str | None = None
+    #: seconds since a lease last asked for the image (None: none since the gateway started)
+    idle_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,19 @@ class Demand:
     members: dict[str, str] = field(default_factory=dict)   # pod name -> gateway state
     #: sandboxes retired per second lately (FreshPerGroup): what the pool must refill
     consumption_per_second: float = 0.0
+    #: the same per image key (wire.sandbox_image_key); empty from a gateway that predates it
+    images: dict[str, ImageDemand] = field(default_factory=dict)
+
+    def of_image(self, key: str) -> Demand:
+        """This demand restricted to one image's counts (members stay whole: the plan looks
+        its own pods up by name)."""
+        d = self.images.get(key)
+        if d is None:
+            if not self.images and key == DEFAULT_SANDBOX_IMAGE_KEY:
+                return self   # a gateway without images: everything is the run's own image
+            d = ImageDemand()
+        return Demand(busy=d.busy, idle=d.idle, waiting=d.waiting, starting=d.starting,
+                      members=self.members, consumption_per_second=d.consumption_per_second)
 
     @classmethod
     def from_json(cls, doc: dict) -> Demand:
@@ -98,6 +134,9 @@ class PodView:
     outdated: bool = False
     #: creation to Ready, seconds (None until Ready): how fast this run's pods start
     start_seconds: float | None = None
+    #: the image it runs: its key (wire.sandbox_image_key) and a row image's reference
+    image_key: str = DEFAULT_SANDBOX_IMAGE_KEY
+    image: str | None = None
 
 
 class Expectations:
@@ -219,3 +258,72 @@ def _victims(pods: list[PodView], demand: Demand, n: int) -> list[str]:
         return (9, 0, p.name)
     ranked = sorted((rank(p), p.name) for p in pods)
     return [name for r, name in ranked if r[0] < 9][:n]
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """The plan of one image's pool: `image` None is the run's own image."""
+
+    key: str
+    image: str | None
+    plan: Plan
+
+
+def plan_images(spec: SandboxSpec, pods: list[PodView], pending_creates: dict[str, str],
+                pending_deletes: set[str], demand: Demand | None, excess_for: dict[str, float],
+                suspended: bool = False, max_step: int = 64,
+                resync_seconds: float = 10.0) -> list[ImagePlan]:
+    """`plan` for each image in use, the creations of all within the run's max and hardCap;
+    in the order the room went to them (`_within_caps`).
+
+    `pending_creates`: pod name -> image key of the creations the cache does not show yet;
+    `excess_for`: per image key, how long its pool has been above its target. A row image is
+    in use while it has pods or pending creations, or its demand has a lease waiting or one
+    within `idleTtlSeconds`. Its pods are made of the reference the gateway's demand or its
+    own pods give; an image known by neither (a pod without its annotation) only shrinks.
+    """
+    refs: dict[str, str | None] = {DEFAULT_SANDBOX_IMAGE_KEY: None}
+    for p in pods:
+        refs.setdefault(p.image_key, p.image)
+    for key in pending_creates.values():
+        refs.setdefault(key, None)
+    for key, d in (demand.images if demand else {}).items():
+        if d.image is not None:
+            refs[key] = d.image
+    plans: list[ImagePlan] = []
+    for key, ref in refs.items():
+        row_image = key != DEFAULT_SANDBOX_IMAGE_KEY
+        d = demand.images.get(key) if demand else None
+        recent = d is not None and (d.waiting > 0 or (d.idle_seconds is not None
+                                                      and d.idle_seconds < spec.idle_ttl_seconds))
+        min_warm = (spec.images.min_warm_per_image if recent else 0) if row_image else spec.min_warm
+        own = spec.model_copy(update={"min_warm": min(min_warm, spec.max)})
+        p = plan(own, [v for v in pods if v.image_key == key],
+                 {n for n, k in pending_creates.items() if k == key}, pending_deletes,
+                 demand.of_image(key) if demand else None, excess_for.get(key, 0.0),
+                 suspended=suspended, max_step=max_step, resync_seconds=resync_seconds)
+        if row_image and ref is None:
+            p = Plan(0, p.delete, p.replace, p.live, p.target)  # nothing to make its pods of
+        plans.append(ImagePlan(key, ref if row_image else None, p))
+    return _within_caps(spec, plans, demand)
+
+
+def _within_caps(spec: SandboxSpec, plans: list[ImagePlan], demand: Demand | None) -> list[ImagePlan]:
+    """Creations cut so that all pools together stay within max and hardCap: the images
+    with the most waiting leases first, then the run's own, then the rest (the order of
+    the result, which the creations follow)."""
+    live = sum(ip.plan.live for ip in plans)
+    replacing = sum(len(ip.plan.replace) for ip in plans)
+    room = max(0, min(min(spec.max, spec.hard_cap) - live, spec.hard_cap - live - replacing))
+
+    def waiting(ip: ImagePlan) -> int:
+        d = demand.images.get(ip.key) if demand else None
+        return d.waiting if d else 0
+    order = sorted(plans, key=lambda ip: (-waiting(ip), ip.key != DEFAULT_SANDBOX_IMAGE_KEY, ip.key))
+    out: dict[str, ImagePlan] = {}
+    for ip in order:
+        n = min(ip.plan.create, room)
+        room -= n
+        out[ip.key] = ImagePlan(ip.key, ip.image, Plan(n, ip.plan.delete, ip.plan.replace,
+                                                      ip.plan.live, ip.plan.target))
+    return [out[ip.key] for ip in order]

@@ -4,6 +4,12 @@ A ReplicaSet would pick which pod to delete on scale-down; only the operator, th
 gateway's demand signal, knows which sandboxes are idle, so the pool is plain pods owned by
 the run. Sandboxes run untrusted code: no service-account token, no service links, non-root,
 no privilege escalation, optional RuntimeClass (gVisor, Kata), a bounded workspace.
+
+A row may name the image its sandbox runs (`spec.sandboxes.imageColumn`): such a pod runs
+that image with the image's own `python3`, and an init container from the run's sandbox image
+first writes the self-contained server there (`asyncgrpo sandbox bundle`, an emptyDir mounted
+read-only in the sandbox container), so a task image needs nothing of the project's. Every
+pod is labelled with its image's key (`wire.SANDBOX_IMAGE_LABEL`), which the gateway leases by.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from asyncgrpo import wire
 from asyncgrpo.api.v1alpha1 import AsyncGRPORun
 from asyncgrpo.controller.common import (
     HASH_ANNOTATION,
+    SANDBOX_IMAGE_ANNOTATION,
     container_security,
     metadata,
     name,
@@ -31,6 +38,9 @@ COMPONENT = "sandbox"
 #: disk are bounded by its pod (the server's RLIMIT_NPROC bounds its processes).
 DEFAULT_LIMITS = {"cpu": 1, "memory": "1Gi", "ephemeral-storage": "4Gi"}
 WORKSPACE_SIZE = "2Gi"
+#: the init container writing the server bundle: a second of CPU, a few MB written
+BUNDLE_RESOURCES = {"requests": {"cpu": "100m", "memory": "64Mi"},
+                    "limits": {"cpu": "1", "memory": "256Mi", "ephemeral-storage": "256Mi"}}
 
 
 def sandbox_resources(run: AsyncGRPORun) -> dict[str, Any]:
@@ -49,7 +59,8 @@ def pod_name(run: AsyncGRPORun, suffix: str) -> str:
     return f"{pod_prefix(run)}-{suffix}"
 
 
-def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:
+def build_pod(run: AsyncGRPORun, suffix: str, image: str | None = None) -> dict[str, Any]:
+    """The sandbox pod `<run>-sandbox-<suffix>`, of the run's image or of a row's `image`."""
     sb = run.spec.sandboxes
     assert sb is not None
     container = {
@@ -85,11 +96,35 @@ def build_pod(run: AsyncGRPORun, suffix: str) -> dict[str, Any]:
     if sb.runtime_class_name:
         spec["runtimeClassName"] = sb.runtime_class_name
     meta = metadata(run, COMPONENT, pod_name(run, suffix))
-    meta["labels"] = pod_labels(run, COMPONENT)
+    meta["labels"] = {**pod_labels(run, COMPONENT), wire.SANDBOX_IMAGE_LABEL: wire.sandbox_image_key(image)}
     place(run, COMPONENT, {"metadata": meta, "spec": spec})  # spec.pod, spec.sandboxes.pod
-    # the hash covers the spec only, so every pod of one template shares it
+    # the hash covers the run's template only, so every pod of one template shares it,
+    # whichever image it runs
     meta["annotations"] = {**meta.get("annotations", {}), HASH_ANNOTATION: template_hash(spec)}
+    if image:
+        meta["annotations"][SANDBOX_IMAGE_ANNOTATION] = image
+        _run_row_image(spec, container, sb.image, image)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def _run_row_image(spec: dict[str, Any], container: dict[str, Any], sandbox_image: str,
+                   image: str) -> None:
+    """The sandbox container runs `image` with its own python3 and the server the init
+    container (the run's sandbox image) writes into the `server` emptyDir."""
+    mount = {"name": "server", "mountPath": wire.SANDBOX_SERVER_BUNDLE_DIR}
+    spec["initContainers"] = [{
+        "name": "sandbox-server",
+        "image": sandbox_image,
+        "command": ["asyncgrpo", "sandbox", "bundle", wire.SANDBOX_SERVER_BUNDLE_DIR],
+        "resources": BUNDLE_RESOURCES,
+        "securityContext": container_security(),
+        "volumeMounts": [mount],
+    }]
+    container["image"] = image
+    # -I -S: none of the image's site-packages nor PYTHON* variables reach the server
+    container["command"] = ["python3", "-I", "-S", wire.SANDBOX_SERVER_BUNDLE_ENTRY, "serve"]
+    container["volumeMounts"].append({**mount, "readOnly": True})
+    spec["volumes"].append(tmp_volume("server", size="128Mi"))
 
 
 def template_hash(spec: dict[str, Any]) -> str:

@@ -16,6 +16,8 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
+from asyncgrpo import wire
+
 
 class BadValue(ValueError):
     """A value read from a tenant-writable place that is not what it must be."""
@@ -74,12 +76,48 @@ def demand(body: bytes):
     members = {} if members is None else members
     if not isinstance(members, dict) or len(members) > MAX_MEMBERS:
         raise BadValue("demand members is not a bounded object")
-    return Demand(**{k: count(doc.get(k, 0), f"demand {k}", MAX_MEMBERS)
-                     for k in ("busy", "idle", "waiting", "starting")},
+    return Demand(**_demand_counts(doc, "demand"),
                   members={short_text(k, "a member name"): short_text(v, "a member state", 32)
                            for k, v in members.items()},
-                  consumption_per_second=min(real(doc.get("consumption_per_second", 0.0),
-                                                  "demand consumption_per_second"), MAX_MEMBERS))
+                  images=_image_demands(doc.get("images")))
+
+
+#: most images a demand may list (spec.sandboxes.images.maxDistinct is at most 64, plus the
+#: run's own image)
+MAX_DEMAND_IMAGES = 65
+
+
+def _demand_counts(doc: dict, what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {k: count(doc.get(k, 0), f"{what} {k}", MAX_MEMBERS)
+                           for k in ("busy", "idle", "waiting", "starting")}
+    out["consumption_per_second"] = min(real(doc.get("consumption_per_second", 0.0),
+                                             f"{what} consumption_per_second"), MAX_MEMBERS)
+    return out
+
+
+def _image_demands(images: Any) -> dict:
+    """The demand per image; a row image's reference must be one a pod can be made of and
+    match its key, since the operator creates pods of it."""
+    from asyncgrpo.controller.sandbox_scaling import ImageDemand
+
+    if images is None:
+        return {}
+    if not isinstance(images, dict) or len(images) > MAX_DEMAND_IMAGES:
+        raise BadValue("demand images is not a bounded object")
+    out = {}
+    for key, doc in images.items():
+        key = short_text(key, "an image key", 32)
+        if not isinstance(doc, dict):
+            raise BadValue(f"demand images.{key} is not an object")
+        ref = doc.get("image")
+        if ref is not None and (wire.image_reference_problem(ref)
+                                or wire.sandbox_image_key(ref) != key):
+            raise BadValue(f"demand images.{key}.image is not the image of that key")
+        idle = doc.get("idle_seconds")
+        out[key] = ImageDemand(**_demand_counts(doc, f"demand images.{key}"), image=ref,
+                               idle_seconds=None if idle is None else
+                               real(idle, f"demand images.{key}.idle_seconds"))
+    return out
 
 
 def drain(body: bytes) -> bool:

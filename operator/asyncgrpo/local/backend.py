@@ -110,6 +110,10 @@ class LocalBackend:
         if s.trainer.report_to_secret is not None:
             raise LocalRunError("spec.trainer.reportToSecret: a Secret lives in a cluster; "
                                 "locally give the loggers' settings in spec.trainer.env")
+        if s.sandboxes is not None and s.sandboxes.image_column is not None:
+            raise LocalRunError("spec.sandboxes.imageColumn: local sandboxes are processes on "
+                                "this machine, not containers of an image; a run whose rows "
+                                "name images runs on a cluster")
 
     def deep_check(self) -> None:
         """The preflight (model, tokenizer, data, modules) before any process starts: each

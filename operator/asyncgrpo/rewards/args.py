@@ -67,3 +67,6 @@ class SandboxTestsArgs:
     timeout_seconds: float = 60.0
     gateway_url: str | None = None
     lease_wait_seconds: float = 300.0
+    #: the row column naming the image of the completion's sandbox (the trainer sets it from
+    #: spec.sandboxes.imageColumn); None or a null value: the run's own image
+    image_column: str | None = None

@@ -150,6 +150,9 @@ def environment_factory(run, env: RuntimeEnv):
         kw["tools"] = tuple(h.tools)
     if run.spec.sandboxes is not None:
         kw["timeout_seconds"] = float(run.spec.sandboxes.exec_timeout_seconds)
+        if run.spec.sandboxes.image_column is not None:
+            kw["image_column"] = run.spec.sandboxes.image_column
+            kw["default_image"] = run.spec.sandboxes.image
     if env.gateway_url:
         kw["gateway_url"] = env.gateway_url
     if h.environment is not None:  # the user's class; the group's sandbox when there is one
@@ -313,7 +316,7 @@ def _build_trainer(run, env: RuntimeEnv, world_size: int, cuda: bool, store, che
     )
     return S3AdapterGRPOTrainer(
         model=spec.model.name,
-        reward_funcs=build_rewards(spec.reward),
+        reward_funcs=build_rewards(spec.reward, spec.sandboxes.image_column if spec.sandboxes else None),
         args=args,
         train_dataset=load_dataset(run, bucket=data_bucket, workdir=env.work_dir),
         processing_class=tokenizer,

@@ -89,6 +89,14 @@ class RewardTerm:
         return f"RewardTerm({self.__name__}, weight={self.weight}, args={self.args})"
 
 
-def build_rewards(spec) -> list[RewardTerm]:
-    """TRL reward functions for `run.spec.reward`."""
-    return [RewardTerm(f.name, f.weight, f.args, f.module) for f in spec.functions]
+def build_rewards(spec, image_column: str | None = None) -> list[RewardTerm]:
+    """TRL reward functions for `run.spec.reward`; `image_column` (spec.sandboxes.imageColumn)
+    reaches `sandbox_tests` so each completion is scored in a sandbox of its row's image."""
+    return [RewardTerm(f.name, f.weight, _with_image_column(f.name, f.args, image_column), f.module)
+            for f in spec.functions]
+
+
+def _with_image_column(name: str, args: dict[str, Any], column: str | None) -> dict[str, Any]:
+    if column is None or name != "sandbox_tests" or "image_column" in args:
+        return args
+    return {**args, "image_column": column}

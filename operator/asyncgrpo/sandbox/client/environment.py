@@ -66,6 +66,10 @@ class SandboxEnvConfig:
     lease_wait_seconds: float = field(default=300.0, metadata={"help": "Longest wait for a free sandbox."})
     heartbeat_seconds: float = field(default=10.0, metadata={"help": "Heartbeat period (under the lease TTL)."})
     test_timeout_seconds: float = field(default=300.0, metadata={"help": "Timeout of the reward's test run."})
+    image_column: str | None = field(default=None, metadata={
+        "help": "Row column naming the image of the rollout's sandbox (spec.sandboxes.imageColumn)."})
+    default_image: str | None = field(default=None, metadata={
+        "help": "The run's own sandbox image: a row naming it leases from the default pool."})
 
     def __post_init__(self):
         unknown = set(self.tools) - set(TOOL_NAMES)
@@ -120,6 +124,7 @@ class SandboxEnvironmentBase:
         self._files: dict[str, str] = {}
         self._editable: list[str] = []
         self._test_command: str | list | None = None
+        self._image: str | None = None
         self._key: str | None = None
         self._lease_id: str | None = None
         self._seeded_lease: str | None = None
@@ -137,7 +142,14 @@ class SandboxEnvironmentBase:
             editable = json.loads(editable) if editable.startswith("[") else [editable]
         self._editable = list(editable) if editable is not None else [p for p in self._files if not is_test_path(p)]
         self._test_command = row.get("test_command") or None
+        self._image = self._row_image(row)
         self._seeded_lease = None
+
+    def _row_image(self, row: dict) -> str | None:
+        """The image the row's sandbox runs: its `image_column`, None for the run's own."""
+        column = self._config.image_column
+        image = row.get(column) if column else None
+        return image if isinstance(image, str) and image and image != self._config.default_image else None
 
     def get_reward(self) -> float | None:
         """End of the rollout: score the row's tests where the rollout never ran; never raises.
@@ -177,7 +189,8 @@ class SandboxEnvironmentBase:
             raise RuntimeError("reset() was not called")
         with self._lock:
             if self._lease_id is None:
-                lease = self._client.lease(self._key, wait_seconds=self._config.lease_wait_seconds)
+                lease = self._client.lease(self._key, wait_seconds=self._config.lease_wait_seconds,
+                                           image=self._image)
                 self._lease_id = lease.lease_id
                 Heartbeats.for_client(self._client, self._config.heartbeat_seconds).add(lease.lease_id)
             lease_id = self._lease_id

@@ -171,10 +171,14 @@ class GatewayClient:
         with self._lock:
             self._leases.pop(lease.lease_id, None)
 
-    def lease(self, group_id: str, wait_seconds: float | None = None) -> Lease:
+    def lease(self, group_id: str, wait_seconds: float | None = None, image: str | None = None) -> Lease:
+        """A sandbox for the group; `image`: the container image it must run (a row's own,
+        spec.sandboxes.imageColumn), None for the run's. A cold image waits for its pod."""
         body: dict = {"group_id": group_id, "group_key": self._group_key}
         if wait_seconds is not None:
             body["wait_seconds"] = wait_seconds
+        if image:
+            body["image"] = image
         timeout = httpx.Timeout((wait_seconds if wait_seconds is not None else 300.0) + 30.0, connect=10.0)
         d = _raise_for(self.http.post(f"{self.url}/v1/leases", json=body, headers=self._control, timeout=timeout))
         lease = Lease.from_answer(d)

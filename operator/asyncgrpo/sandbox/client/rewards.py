@@ -181,6 +181,7 @@ def sandbox_tests(completions: list, options: SandboxTestsArgs | None = None, /,
     o = options or SandboxTestsArgs()
     commands = per_row(o.test_command if o.test_command is not None else columns.get("test_command"), n)
     row_files = per_row(o.files if o.files is not None else columns.get("files"), n)
+    images = per_row(columns.get(o.image_column) if o.image_column else None, n)
     todo = [i for i in range(n) if commands[i]]
     rewards: list[float | None] = [None] * n
     if not todo:
@@ -190,7 +191,7 @@ def sandbox_tests(completions: list, options: SandboxTestsArgs | None = None, /,
         text = completion_text(completions[i])
         return _score_one(o.gateway_url, commands[i], _files(row_files[i]), o.solution_path,
                           extract_code(text) if o.extract else text, o.timeout_seconds,
-                          o.lease_wait_seconds)
+                          o.lease_wait_seconds, images[i] if isinstance(images[i], str) else None)
 
     with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
         for i, reward in zip(todo, pool.map(run, todo)):
@@ -202,7 +203,8 @@ _GROUP = uuid.uuid4().hex[:10]  # lease group ids unique across processes (each 
 
 
 def _score_one(gateway_url: str | None, command: str | list, files: dict[str, str], solution_path: str,
-               code: str, timeout_seconds: float, lease_wait_seconds: float) -> float | None:
+               code: str, timeout_seconds: float, lease_wait_seconds: float,
+               image: str | None = None) -> float | None:
     """One completion in one sandbox of its own; see `sandbox_tests` for what each failure scores."""
     from asyncgrpo.sandbox.client.gateway_client import (
         Heartbeats,
@@ -216,7 +218,8 @@ def _score_one(gateway_url: str | None, command: str | list, files: dict[str, st
     try:
         client = shared_client(gateway_url)
         for attempt in range(2):  # one retry on a fresh sandbox lost before the code ran
-            lease = client.lease(f"reward-{_GROUP}-{uuid.uuid4().hex[:12]}", wait_seconds=lease_wait_seconds)
+            lease = client.lease(f"reward-{_GROUP}-{uuid.uuid4().hex[:12]}", wait_seconds=lease_wait_seconds,
+                                 image=image or None)
             # the gateway sees no calls on the direct data path: heartbeats keep the lease
             # through test runs longer than its TTL
             beats = Heartbeats.for_client(client, max(0.5, lease.ttl_seconds / 4))

@@ -70,9 +70,11 @@ from asyncgrpo.sandbox.gateway.pool import (
     Member,
     NoSandbox,
     Pool,
+    TooManyImages,
     TooManyWaiters,
     group_scope,
 )
+from asyncgrpo.wire import image_reference_problem
 
 log = logging.getLogger("asyncgrpo.sandbox.gateway.app")
 
@@ -106,6 +108,8 @@ class GatewaySettings:
     data_path: str = "direct"  # or "proxied": see the module docstring
     lifecycle: str = FRESH  # or REUSE: see the module docstring
     max_waiters_per_client: int = 1024
+    max_images: int = 8  # row images leased at once (spec.sandboxes.images.maxDistinct)
+    image_idle_seconds: float = 600.0
 
     def __post_init__(self):
         if self.data_path not in ("direct", "proxied"):
@@ -114,6 +118,8 @@ class GatewaySettings:
             raise ValueError(f"lifecycle must be {FRESH!r} or {REUSE!r}, not {self.lifecycle!r}")
         if self.max_waiters_per_client < 1:
             raise ValueError("max_waiters_per_client must be at least 1")
+        if self.max_images < 1:
+            raise ValueError("max_images must be at least 1")
 
 
 _GONE_ERRORS = {"released": "lease_released", "expired": "lease_expired", "sandbox_lost": "sandbox_lost",
@@ -200,6 +206,8 @@ class Gateway:
             lease_max_seconds=settings.lease_max_seconds,
             lifecycle=lifecycle,
             max_waiters_per_client=settings.max_waiters_per_client,
+            max_images=settings.max_images,
+            image_idle_seconds=settings.image_idle_seconds,
         )
         self._token = settings.token.encode()
 
@@ -347,12 +355,20 @@ class Gateway:
         s, pool = self.settings, self.pool
         wait = min(s.max_wait_seconds if req.wait_seconds is None else req.wait_seconds, s.max_wait_seconds)
         scope = group_scope(req.group_id, req.group_key)
-        hit = pool.try_acquire(req.group_id, scope=scope)  # a join or a warm sandbox: no wait, no tasks
+        if req.image is not None and (problem := image_reference_problem(req.image)):
+            raise ApiError(422, "invalid_request", [{"loc": ["image"], "msg": problem}])
+        try:  # a join or a warm sandbox: no wait, no tasks
+            hit = pool.try_acquire(req.group_id, scope=scope, image=req.image)
+        except TooManyImages as err:
+            return JSONResponse(
+                {"error": "too_many_images", "detail": str(err)},
+                status_code=429, headers={"retry-after": str(int(s.image_idle_seconds))})
         if hit is None:
             # the queue a wait goes in, and the bound it counts against: the caller's address
             # (every client holds the same run token, so nothing it sends could name it)
             client = request.client.host if request.client else ""
-            acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait, client=client, scope=scope))
+            acquiring = asyncio.ensure_future(pool.acquire(req.group_id, wait, client=client, scope=scope,
+                                                           image=req.image))
             gone = asyncio.ensure_future(_until_disconnected(request))
             try:
                 # a client that hangs up while waiting gives its place in the queue up
@@ -391,6 +407,7 @@ class Gateway:
             "ttl_seconds": s.lease_ttl_seconds,
             "exec_slack_seconds": EXEC_SLACK_SECONDS,
             "waited_seconds": round(lease.waited_seconds, 6),
+            "image": pool.members[lease.member].image,
         }
         if s.data_path == "direct":
             body["sandbox_url"] = pool.members[lease.member].url

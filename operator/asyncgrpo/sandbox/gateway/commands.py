@@ -58,6 +58,11 @@ def register(subparsers) -> None:
          "workloads). A fixed --members list cannot be replaced and runs reuse; a --members-file can")
     _add(gw, "--max-waiters-per-client", G + "MAX_WAITERS_PER_CLIENT", 1024, int,
          help_="lease requests one client address may have waiting; more are refused with 429")
+    _add(gw, "--max-images", G + "MAX_IMAGES", 8, int,
+         help_="row images (spec.sandboxes.imageColumn) leased at once; a lease for one more "
+         "is refused with 429 too_many_images")
+    _add(gw, "--image-idle-seconds", G + "IMAGE_IDLE_SECONDS", 600.0, float,
+         help_="a row image no lease asked for this long, with no sandbox, is out of use")
     gw.set_defaults(func=serve_gateway)
 
 
@@ -99,4 +104,6 @@ def _gateway_settings(args: argparse.Namespace, token: str, sandbox_token: str):
         data_path=args.data_path,
         lifecycle=args.lifecycle,
         max_waiters_per_client=args.max_waiters_per_client,
+        max_images=args.max_images,
+        image_idle_seconds=args.image_idle_seconds,
     )

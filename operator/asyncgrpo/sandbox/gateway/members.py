@@ -54,7 +54,9 @@ class StaticMembers:
 
 class FileMembers:
     """Members from a JSON file `{name: base URL}` that another process keeps (the local
-    backend's pool), read again whenever it changes (checked every `interval` seconds).
+    backend's pool), read again whenever it changes (checked every `interval` seconds). A
+    member may also be `{"url": URL, "image": key}`: a sandbox of a row's image (its
+    `wire.sandbox_image_key`), as a pod's label says it.
 
     A name that leaves the file is removed (its lease, if any, ends `sandbox_lost`), a new
     one added; the writer replaces retired members, so lifecycle `fresh` works. A missing
@@ -67,7 +69,8 @@ class FileMembers:
         self.path = path
         self.interval = interval
 
-    def read(self) -> dict[str, str]:
+    def read(self) -> dict[str, tuple[str, str]]:
+        """{name: (base URL, image key)}."""
         try:
             with open(self.path) as f:
                 doc = json.load(f)
@@ -75,7 +78,13 @@ class FileMembers:
             return {}
         if not isinstance(doc, dict):
             raise ValueError(f"{self.path}: not a JSON object of member name -> URL")  # noqa: TRY004
-        return {str(name): _check_url(str(url).strip().rstrip("/")) for name, url in doc.items()}
+        out = {}
+        for name, value in doc.items():
+            url, image = value, DEFAULT_SANDBOX_IMAGE_KEY
+            if isinstance(value, dict):
+                url, image = value.get("url", ""), str(value.get("image") or image)
+            out[str(name)] = (_check_url(str(url).strip().rstrip("/")), image)
+        return out
 
     async def run(self, pool) -> None:
         seen = None
@@ -94,10 +103,10 @@ class FileMembers:
                     seen = key
                     for name in [n for n in pool.members if n not in members]:
                         pool.remove(name)
-                    for name, url in members.items():
+                    for name, (url, image) in members.items():
                         m = pool.members.get(name)
-                        if m is None or m.url != url:
-                            pool.upsert(name, url)
+                        if m is None or m.url != url or m.image != image:
+                            pool.upsert(name, url, image)
             await asyncio.sleep(self.interval)
 
 

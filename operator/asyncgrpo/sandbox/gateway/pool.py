@@ -219,9 +219,10 @@ class Pool:
         key = sandbox_image_key(ref)
         img = self._images.get(key)
         if img is None:
-            in_use = [k for k in self._images if k != DEFAULT_SANDBOX_IMAGE_KEY
-                      and self._in_use(self._images[k])]
-            if len(in_use) >= self.max_images:
+            in_use = {k for k in self._images if self._in_use(self._images[k])} | {
+                m.image for m in self.members.values() if m.state != RETIRED}
+            in_use.discard(DEFAULT_SANDBOX_IMAGE_KEY)
+            if key not in in_use and len(in_use) >= self.max_images:
                 self.metrics.rejected.labels(reason="too_many_images").inc()
                 raise TooManyImages(ref or "", self.max_images)
             for k in [k for k in self._images if k != DEFAULT_SANDBOX_IMAGE_KEY and k not in in_use]:
@@ -231,8 +232,8 @@ class Pool:
         return img
 
     def _in_use(self, img: _Image) -> bool:
-        return (img.waiting > 0 or self.clock() - img.last_used < self.image_idle
-                or any(m.image == img.key and m.state != RETIRED for m in self.members.values()))
+        """Waits or a request within `image_idle` (its sandboxes are counted by the caller)."""
+        return img.waiting > 0 or self.clock() - img.last_used < self.image_idle
 
     # -- membership (from the member source and the health checker) ------------
     def upsert(self, name: str, url: str, image: str = DEFAULT_SANDBOX_IMAGE_KEY) -> None:

@@ -169,6 +169,31 @@ def test_sandbox_conditions():
     assert c["reason"] == "SandboxCreateFailed" and "gvisor" in c["message"]
 
 
+def test_a_rows_image_that_cannot_run_the_server_is_named_with_the_runtimes_words():
+    """A row's image without python3: its pod never starts; the condition names the image,
+    the field it came from and what the runtime said, not just "a pod failed"."""
+    from asyncgrpo.api.v1alpha1 import AsyncGRPORun
+    from asyncgrpo.controller import sandboxes
+    from tests.operator.helpers import example
+
+    run = AsyncGRPORun.model_validate(example("multi-turn-sandboxes.yaml"))
+    pod = sandboxes.build_pod(run, "3", image="registry.example/no-python:1")
+    pod["status"] = {"phase": "Running", "containerStatuses": [{
+        "restartCount": 2,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
+        "lastState": {"terminated": {"exitCode": 128, "reason": "StartError", "message":
+                      'failed to create containerd task: exec: "python3": executable file '
+                      'not found in $PATH: unknown'}}}]}
+    children = [workload("vllm", 2, 2), workload("gateway", 1),
+                workload("trainer", 1, kind="StatefulSet"), summarize(pod)]
+    obs = Observation(generation=1, bucket_checked=True, children=children,
+                      sandboxes={"warm": 2, "busy": 0, "starting": 0, "failed": 1})
+    c = conds(compute(run.spec, obs, {}, "T")[0])["SandboxesReady"]
+    assert c["reason"] == "SandboxImageRefused", c
+    assert "registry.example/no-python:1" in c["message"] and "imageColumn" in c["message"]
+    assert '"python3": executable file not found' in c["message"]
+
+
 def test_invalid_patch_keeps_what_is_observed_of_the_running_workloads():
     """Issue 9: a later invalid patch must not erase the running run's conditions or say it
     progresses; the kept conditions keep the generation they were observed for."""

@@ -123,6 +123,9 @@ def _run_row_image(spec: dict[str, Any], container: dict[str, Any], sandbox_imag
     container["image"] = image
     # -I -S: none of the image's site-packages nor PYTHON* variables reach the server
     container["command"] = ["python3", "-I", "-S", wire.SANDBOX_SERVER_BUNDLE_ENTRY, "serve"]
+    # the entry's one line on a python3 too old (or the runtime's "python3 not found") is
+    # what the status reports (SandboxImageRefused)
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"
     container["volumeMounts"].append({**mount, "readOnly": True})
     spec["volumes"].append(tmp_volume("server", size="128Mi"))
 

@@ -308,6 +308,15 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
         return _cond("SandboxesReady", False, "SandboxesUnschedulable",
                      f"{len(unschedulable)} sandbox pods cannot be scheduled: "
                      f"{unschedulable[0].problem_message}")
+    refused = next((c for c in obs.children if c.kind == "Pod" and c.component == SANDBOX
+                    and c.image and c.problem and not c.deleting), None)
+    if refused is not None:
+        # a row's image that cannot run the server: no python3, one too old, a pull failure
+        said = refused.termination_message.strip().splitlines()[-1:] or [refused.problem_message]
+        return _cond("SandboxesReady", False, "SandboxImageRefused",
+                     f"image {refused.image} (a row's spec.sandboxes.imageColumn) cannot run "
+                     f"the sandbox server ({refused.problem}): {said[0][:300]}; it needs a "
+                     "python3, 3.9 or newer, on its PATH")
     if counts.get("failed"):
         stuck = _problem(obs.children, SANDBOX)
         detail = f" ({stuck.name}: {stuck.problem})" if stuck else ""

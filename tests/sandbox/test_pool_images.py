@@ -133,8 +133,10 @@ def test_the_demand_names_each_images_reference_counts_and_consumption():
         images = pool.demand()["images"]
         a, b, d = images[sandbox_image_key(A)], images[sandbox_image_key(B)], images["default"]
         assert a["image"] == A and a["retired"] == 1 and a["idle"] == 1 and a["busy"] == 0
+        assert a["retired_total"] == 1 and d["retired_total"] == 0
         assert a["consumption_per_second"] > 0 and d["consumption_per_second"] == 0
         assert b == {"image": B, "busy": 0, "idle": 0, "waiting": 1, "starting": 0, "retired": 0,
+                     "retired_total": 0,
                      "consumption_per_second": 0.0, "idle_seconds": 0.0}
         assert d["image"] is None and d["idle"] == 1
         # the totals are the sums of the images'

@@ -132,6 +132,7 @@ class _Image:
     ring: collections.deque[str] = field(default_factory=collections.deque)
     waiting: int = 0
     retired_at: collections.deque[float] = field(default_factory=collections.deque)
+    retired_total: int = 0
 
 
 @dataclass
@@ -564,6 +565,7 @@ class Pool:
         if img is None:  # a member of an image no lease named yet (or forgotten)
             img = self._images[m.image] = _Image(m.image, None, m.since)
         img.retired_at.append(m.since)
+        img.retired_total += 1
         self.metrics.retired.inc()
         self._publish()
         if self._retire_fn is not None:
@@ -665,6 +667,7 @@ class Pool:
             out[key] = {
                 "image": img.ref if img else None, "busy": c[BUSY], "idle": c[WARM] + c[RESETTING],
                 "waiting": img.waiting if img else 0, "starting": c[STARTING], "retired": c[RETIRED],
+                "retired_total": img.retired_total if img else 0,
                 "consumption_per_second": round(self.consumption_per_second(key), 4),
                 "idle_seconds": round(now - img.last_used, 3) if img else None}
         return out

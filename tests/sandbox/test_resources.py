@@ -118,7 +118,7 @@ def streaming_sandbox(tmp_path):
 
 
 def _stream(c: httpx.Client, data: bytes, command: str = "sha256sum", **fields) -> httpx.Response:
-    head = ExecRequest.model_construct(command=command, **fields).stream_head()
+    head = ExecRequest.unchecked(command=command, **fields).stream_head()
     return c.post("/v1/exec/stream", content=head + data, headers={"content-type": EXEC_STREAM_TYPE})
 
 
@@ -179,7 +179,7 @@ def test_sixteen_large_stdin_clients_keep_the_server_small(streaming_sandbox):
 
     def one(i: int) -> None:
         with lease_client(streaming_sandbox) as c:
-            head = ExecRequest.model_construct(command="sha256sum", timeout_seconds=300).stream_head()
+            head = ExecRequest.unchecked(command="sha256sum", timeout_seconds=300).stream_head()
             body = iter([head, *(chunk for _ in range(size // MiB))])
             results[i] = c.post("/v1/exec/stream", content=body, headers={"content-type": EXEC_STREAM_TYPE},
                                 timeout=600)

@@ -85,7 +85,7 @@ INLINE_STDIN_BYTES = 64 * 1024
 def _exec_call(command, stdin, **fields) -> tuple[str, dict]:
     """(route, httpx keyword arguments) of an exec: JSON, or the streamed form for large stdin.
 
-    Built without validation (`model_construct`): the server's 422 stays the one answer to
+    Built without validation (`unchecked`): the server's 422 stays the one answer to
     a malformed exec, whichever client sent it.
     """
     given = {k: v for k, v in fields.items() if v is not None}
@@ -93,8 +93,8 @@ def _exec_call(command, stdin, **fields) -> tuple[str, dict]:
     if not streamed:
         if stdin is not None:
             given["stdin"] = stdin
-        return "exec", {"json": ExecRequest.model_construct(command=command, **given).body()}
-    head = ExecRequest.model_construct(command=command, **given).stream_head()
+        return "exec", {"json": ExecRequest.unchecked(command=command, **given).body()}
+    head = ExecRequest.unchecked(command=command, **given).stream_head()
     if isinstance(stdin, str):
         stdin = stdin.encode()
     if isinstance(stdin, bytes | bytearray | memoryview):
@@ -261,18 +261,18 @@ class GatewayClient:
                                  session=session, max_output_bytes=max_output_bytes,
                                  output_encoding=output_encoding or None)
         d = self._data(lease, route, call, _http_timeout(timeout_seconds, lease.exec_slack_seconds))
-        return ExecResult.model_validate(d)
+        return ExecResult.validate(d)
 
     def read_file(self, lease: Lease | str, path: str, *, session: str | None = None,
                   max_bytes: int | None = None) -> ReadResult:
         body = {"path": path, "session": session, "max_bytes": max_bytes}
         d = self._data(lease, "files/read", {"json": {k: v for k, v in body.items() if v is not None}})
-        return ReadResult.model_validate(d)
+        return ReadResult.validate(d)
 
     def write_file(self, lease: Lease | str, path: str, content: str, *, session: str | None = None) -> WriteResult:
         body = {"path": path, "content": content, "session": session}
         d = self._data(lease, "files/write", {"json": {k: v for k, v in body.items() if v is not None}})
-        return WriteResult.model_validate(d)
+        return WriteResult.validate(d)
 
     def score(self, lease: Lease | str, command, *, files: dict[str, str], editable: list[str],
               session: str | None = None, timeout_seconds: float | None = None,
@@ -283,7 +283,7 @@ class GatewayClient:
         lease = self._lease_of(lease)
         d = self._data(lease, "score", {"json": {k: v for k, v in body.items() if v is not None}},
                        _http_timeout(timeout_seconds, lease.exec_slack_seconds + 10.0))
-        return ScoreResult.model_validate(d)
+        return ScoreResult.validate(d)
 
     def demand(self) -> dict:
         return _raise_for(self.http.get(f"{self.url}{GATEWAY_DEMAND_PATH}"))

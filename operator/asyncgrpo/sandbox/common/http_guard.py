@@ -1,6 +1,6 @@
 """Guards every HTTP server here shares: bearer auth, a request body cap, a body read timeout.
 
-Plain ASGI middleware so they act before FastAPI parses anything: a request with no or the
+Plain ASGI middleware so they act before the app parses anything: a request with no or the
 wrong credential never reaches a handler (401), a body over the cap is refused (413) after
 reading at most the cap, whether or not the client sent Content-Length, and a client that
 stops sending its body mid-way gets 408 instead of holding a worker forever. Paths marked
@@ -21,6 +21,8 @@ import hmac
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from asyncgrpo.sandbox.common.messages import ApiError, Invalid, api_error_response
 
 OPEN_PATHS: frozenset[str] = frozenset({"/healthz", "/metrics"})
 GRANT_SCOPE_KEY = "asyncgrpo.grant"
@@ -204,27 +206,54 @@ def grant_of(request) -> Grant:
 
 
 async def parse_body(request, model):
-    """JSON body -> pydantic model whatever the Content-Type; 400 bad or too deep JSON, 422 bad fields."""
-    from fastapi import HTTPException
-
+    """JSON body -> `messages` model whatever the Content-Type; 400 bad or too deep JSON, 422 bad fields."""
     raw = await request.body()
     try:
         data = loads(raw)
     except ValueError as err:
-        raise HTTPException(400, detail={"error": "bad_json", "detail": str(err)[:200]}) from err
+        raise ApiError(400, "bad_json", str(err)[:200]) from err
     return validate(data, model)
 
 
 def validate(data, model):
-    """A parsed JSON document -> pydantic model; 422 with the first few field errors."""
-    from fastapi import HTTPException
-    from pydantic import ValidationError
-
+    """A parsed JSON document -> `messages` model; 422 with the first few field errors."""
     try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        detail = [{"loc": e["loc"], "msg": e["msg"]} for e in err.errors()[:10]]
-        raise HTTPException(422, detail={"error": "invalid_request", "detail": detail}) from err
+        return model.validate(data)
+    except Invalid as err:
+        detail = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in err.errors[:10]]
+        raise ApiError(422, "invalid_request", detail) from err
+
+
+def json_endpoint(handler):
+    """A Starlette endpoint answering a handler's dict or `messages` model as JSON (a Response
+    passes as it is): the routes of both servers, with no per-request signature work."""
+    from starlette.responses import JSONResponse, Response
+
+    async def endpoint(request) -> Response:
+        out = await handler(request)
+        if isinstance(out, Response):
+            return out
+        return JSONResponse(out.dump() if hasattr(out, "dump") else out)
+
+    return endpoint
+
+
+async def http_error_response(_request, exc):
+    """Starlette's HTTPException (404, 405, a handler's own) as `{"detail": ...}` JSON, the
+    shape FastAPI gave it (Starlette's own handler answers plain text)."""
+    from starlette.responses import JSONResponse, Response
+
+    headers = getattr(exc, "headers", None)
+    if exc.status_code < 200 or exc.status_code in (204, 205, 304):
+        return Response(status_code=exc.status_code, headers=headers)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+
+
+def exception_handlers() -> dict:
+    """The exception handlers both servers' Starlette apps register."""
+    from starlette.exceptions import HTTPException
+
+    return {HTTPException: http_error_response, ApiError: api_error_response}
 
 
 def loads(raw: bytes):

@@ -8,15 +8,29 @@ code written against the old dict answers keeps working.
 
 The streamed exec (`/v1/exec/stream`, large stdin) sends one line of `ExecRequest` JSON,
 a newline, then stdin as raw bytes to the end of the body: `stream_head` builds that line.
+
+Standard library only (no pydantic): the sandbox server runs from this module in task
+images that have nothing but a `python3` (docs/sandboxes.md, "The server in a task's own
+image"), and pydantic's core is a compiled extension that cannot be copied into them. The
+models are plain classes whose annotations `_Model` reads: `Model.validate(dict)` checks a
+parsed JSON document and raises `Invalid` (a ValueError) with pydantic-style errors
+(`{"loc": (...), "msg": ...}`); constructing with keyword arguments checks the same way;
+`Model.unchecked(**values)` builds one without checks (the client: the server's 422 stays
+the one answer to a malformed call); `dump()` gives the dict, `fields_set` what was given.
+The rules: every field's type is checked (a str is no number, a bool is no int, an int is
+accepted for a float and becomes one), `Field` bounds (gt, ge, le, min_length,
+max_length), `Literal` choices, field checks (`check=`); requests refuse unknown fields,
+results keep them.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import AsyncIterator
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import types
+import typing
+from collections.abc import AsyncIterator, Callable
+from typing import Any, ClassVar, Literal
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 #: content type of a streamed exec's body: a JSON line, then raw stdin
@@ -24,31 +38,321 @@ EXEC_STREAM_TYPE = "application/x-asyncgrpo-exec-stream"
 Encoding = Literal["utf-8", "base64"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Invalid(ValueError):
+    """A document that does not fit its model: `errors` lists each problem, in field order."""
+
+    def __init__(self, model: str, errors: list[dict]):
+        super().__init__(f"{len(errors)} validation error(s) for {model}: "
+                         + "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in errors))
+        self.errors = errors
 
 
-class _Answer(BaseModel):
+# fields -------------------------------------------------------------------------------
+_MISSING: Any = object()
+
+
+class _FieldInfo:
+    __slots__ = (
+        "check",
+        "default",
+        "default_factory",
+        "description",
+        "ge",
+        "gt",
+        "le",
+        "max_length",
+        "min_length",
+    )
+
+    def __init__(self, default=_MISSING, *, default_factory: Callable[[], Any] | None = None,
+                 gt: float | None = None, ge: float | None = None, le: float | None = None,
+                 min_length: int | None = None, max_length: int | None = None,
+                 check: Callable[[Any], None] | None = None, description: str = ""):
+        self.default, self.default_factory = default, default_factory
+        self.gt, self.ge, self.le = gt, ge, le
+        self.min_length, self.max_length = min_length, max_length
+        self.check, self.description = check, description
+
+    @property
+    def required(self) -> bool:
+        return self.default is _MISSING and self.default_factory is None
+
+    def make_default(self) -> Any:
+        return self.default_factory() if self.default_factory is not None else self.default
+
+
+def Field(default=_MISSING, **kwargs) -> Any:
+    """A field's default and rules: `gt`/`ge`/`le` (numbers), `min_length`/`max_length`
+    (strings and lists), `check(value)` raising ValueError, `default_factory`, `description`."""
+    return _FieldInfo(default, **kwargs)
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if tp is str:
+        return "a valid string"
+    if tp is bool:
+        return "a valid boolean"
+    if tp is int:
+        return "a valid integer"
+    if tp is float:
+        return "a valid number"
+    if tp is type(None):
+        return "None"
+    if origin is list:
+        return "a valid list"
+    if origin is dict:
+        return "a valid dictionary"
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, type) and issubclass(tp, _Model):
+        return f"a valid dictionary or instance of {tp.__name__}"
+    return str(tp)
+
+
+def _check(tp, value, loc: tuple, errors: list[dict]) -> Any:
+    """`value` as type `tp` (an int becomes a float where a float is expected), or an error."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is typing.Union or origin is types.UnionType:
+        members = typing.get_args(tp)
+        if value is None and type(None) in members:
+            return None
+        members = tuple(m for m in members if m is not type(None))
+        if len(members) == 1:
+            return _check(members[0], value, loc, errors)
+        closest = None
+        for member in members:
+            found: list[dict] = []
+            out = _check(member, value, loc, found)
+            if not found:
+                return out
+            kind = typing.get_origin(member) or member
+            if isinstance(kind, type) and isinstance(value, kind):
+                closest = found  # the member of the value's own kind says what is wrong in it
+        errors.extend(closest or [{"loc": loc, "msg": "Input should be "
+                                   + " or ".join(_describe(m) for m in members)}])
+        return value
+    ok = True
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp in (str, bool) or tp is type(None):
+        ok = isinstance(value, tp)
+    elif origin is Literal:
+        ok = any(type(value) is type(a) and value == a for a in typing.get_args(tp))
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(tp)
+            return [_check(item, v, (*loc, i), errors) for i, v in enumerate(value)]
+        ok = False
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_tp, value_tp = typing.get_args(tp)
+            return {_check(key_tp, k, (*loc, k), errors): _check(value_tp, v, (*loc, k), errors)
+                    for k, v in value.items()}
+        ok = False
+    elif isinstance(tp, type) and issubclass(tp, _Model):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return tp._from(value, loc, errors)
+        ok = False
+    else:  # pragma: no cover - a model declared a type this checker does not know
+        raise TypeError(f"unsupported field type {tp!r}")
+    if not ok:
+        errors.append({"loc": loc, "msg": f"Input should be {_describe(tp)}"})
+    return value
+
+
+def _bounds(info: _FieldInfo, value, loc: tuple, errors: list[dict]) -> None:
+    """The field's own rules, on a value of the right type (None passes: it is "not given")."""
+    if value is None:
+        return
+    problem = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if info.gt is not None and not value > info.gt:
+            problem = f"Input should be greater than {info.gt}"
+        elif info.ge is not None and not value >= info.ge:
+            problem = f"Input should be greater than or equal to {info.ge}"
+        elif info.le is not None and not value <= info.le:
+            problem = f"Input should be less than or equal to {info.le}"
+    elif isinstance(value, (str, list)):
+        what, unit = ("String", "character") if isinstance(value, str) else ("List", "item")
+        if info.min_length is not None and len(value) < info.min_length:
+            problem = f"{what} should have at least {info.min_length} {unit}{'s' * (info.min_length != 1)}"
+        elif info.max_length is not None and len(value) > info.max_length:
+            problem = f"{what} should have at most {info.max_length} {unit}{'s' * (info.max_length != 1)}"
+            problem += f", not {len(value)}" if isinstance(value, list) else ""
+    if problem is None and info.check is not None:
+        try:
+            info.check(value)
+        except ValueError as err:
+            problem = f"Value error, {err}"
+    if problem is not None:
+        errors.append({"loc": loc, "msg": problem})
+
+
+# models -------------------------------------------------------------------------------
+class _Model:
+    """Fields from the class's annotations (a `Field(...)` or a plain default as the value).
+
+    `extra` says what unknown keys do: "forbid" (requests: an error) or "allow" (results:
+    kept as attributes, so a newer server's extra keys reach the caller).
+    """
+
+    __slots__ = ("__dict__", "_fields_set")
+    extra: ClassVar[str] = "forbid"
+    _fields: ClassVar[dict[str, tuple[Any, _FieldInfo]] | None] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._fields = None  # resolved on first use: a model may name one defined after it
+
+    @classmethod
+    def _spec(cls) -> dict[str, tuple[Any, _FieldInfo]]:
+        spec = cls.__dict__.get("_fields")
+        if spec is None:
+            hints = typing.get_type_hints(cls)
+            spec = {}
+            for klass in reversed(cls.__mro__):
+                for name in inspect.get_annotations(klass):
+                    if name.startswith("_") or typing.get_origin(hints[name]) is ClassVar or name == "extra":
+                        continue
+                    declared = klass.__dict__.get(name, _MISSING)
+                    info = declared if isinstance(declared, _FieldInfo) else _FieldInfo(declared)
+                    spec[name] = (hints[name], info)
+            cls._fields = spec
+        return spec
+
+    @classmethod
+    def _from(cls, data: dict, loc: tuple, errors: list[dict]) -> _Model:
+        self = cls.__new__(cls)
+        values = self.__dict__
+        spec = cls._spec()
+        for name, (tp, info) in spec.items():
+            if name in data:
+                found: list[dict] = []
+                value = _check(tp, data[name], (*loc, name), found)
+                if not found:
+                    _bounds(info, value, (*loc, name), found)
+                errors.extend(found)
+                values[name] = value
+            elif info.required:
+                errors.append({"loc": (*loc, name), "msg": "Field required"})
+            else:
+                values[name] = info.make_default()
+        for name, value in data.items():
+            if name not in spec:
+                if cls.extra == "forbid" or not isinstance(name, str):
+                    errors.append({"loc": (*loc, name), "msg": "Extra inputs are not permitted"})
+                else:
+                    values[name] = value
+        object.__setattr__(self, "_fields_set", frozenset(data))
+        return self
+
+    @classmethod
+    def validate(cls, data: Any):
+        """A parsed JSON document as this model, or `Invalid` with every problem."""
+        errors: list[dict] = []
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise Invalid(cls.__name__, [{"loc": (), "msg": f"Input should be {_describe(cls)}"}])
+        out = cls._from(data, (), errors)
+        if errors:
+            raise Invalid(cls.__name__, errors)
+        return out
+
+    @classmethod
+    def unchecked(cls, **values):
+        """The model with `values` as they are (no checks; unset fields take their defaults)."""
+        self = cls.__new__(cls)
+        for name, (_tp, info) in cls._spec().items():
+            self.__dict__[name] = values[name] if name in values else info.make_default()
+        self.__dict__.update((k, v) for k, v in values.items() if k not in self.__dict__)
+        object.__setattr__(self, "_fields_set", frozenset(values))
+        return self
+
+    def __init__(self, **values):
+        errors: list[dict] = []
+        done = type(self)._from(values, (), errors)
+        if errors:
+            raise Invalid(type(self).__name__, errors)
+        self.__dict__.update(done.__dict__)
+        object.__setattr__(self, "_fields_set", done._fields_set)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Assignment is unchecked (as pydantic's default) and marks the field as set."""
+        self.__dict__[name] = value
+        object.__setattr__(self, "_fields_set", self._fields_set | {name})
+
+    @property
+    def fields_set(self) -> frozenset[str]:
+        return self._fields_set
+
+    def dump(self, *, exclude_unset: bool = False, exclude: frozenset[str] | set[str] = frozenset()) -> dict:
+        """The model as plain JSON-ready values (nested models as dicts, extra keys kept)."""
+        return {k: _plain(v) for k, v in self.__dict__.items()
+                if k not in exclude and (not exclude_unset or k in self._fields_set)}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _Model):
+        return value.dump()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class _Strict(_Model):
+    extra = "forbid"
+
+
+class _Answer(_Model):
     """A result: attributes, and `r["key"]`/`r.get` for callers written against dicts."""
 
-    model_config = ConfigDict(extra="allow")
+    extra = "allow"
 
     def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
+        return self.__dict__[key]
 
     def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
+        return self.__dict__.get(key, default)
+
+
+def _command(v) -> None:
+    if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
+        raise ValueError("command is empty")
+    if isinstance(v, list) and any("\x00" in a for a in v) or isinstance(v, str) and "\x00" in v:
+        raise ValueError("command contains NUL")
+
+
+def _env_names(v: dict[str, str]) -> None:
+    for k, val in v.items():
+        if not _ENV_NAME.match(k) or "\x00" in val:
+            raise ValueError(f"invalid environment variable {k!r}")
 
 
 # requests -----------------------------------------------------------------------------
 class ExecRequest(_Strict):
-    command: str | list[str] = Field(description="shell string (run by the server's shell) or argv")
+    command: str | list[str] = Field(check=_command, description="shell string (run by the server's shell) or argv")
     timeout_seconds: float | None = Field(None, gt=0)
     stdin: str | None = None
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, check=_env_names)
     cwd: str | None = Field(None, description="directory relative to the session directory")
     session: str | None = None
     max_output_bytes: int | None = Field(None, ge=0)
@@ -56,30 +360,16 @@ class ExecRequest(_Strict):
         "utf-8", description="base64: stdout/stderr exactly as written (binary-safe); utf-8: decoded, "
         "invalid bytes replaced")
 
-    @field_validator("command")
-    @classmethod
-    def _non_empty(cls, v):
-        if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
-            raise ValueError("command is empty")
-        if isinstance(v, list) and any("\x00" in a for a in v) or isinstance(v, str) and "\x00" in v:
-            raise ValueError("command contains NUL")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v):
-        for k, val in v.items():
-            if not _ENV_NAME.match(k) or "\x00" in val:
-                raise ValueError(f"invalid environment variable {k!r}")
-        return v
-
     def body(self) -> dict:
         """The JSON body: only what was set, so the server's defaults apply to the rest."""
-        return self.model_dump(exclude_unset=True)
+        return self.dump(exclude_unset=True)
 
     def stream_head(self) -> bytes:
         """The first line of a streamed exec's body (stdin follows it raw)."""
-        return self.model_dump_json(exclude_unset=True, exclude={"stdin"}).encode() + b"\n"
+        import json
+
+        head = self.dump(exclude_unset=True, exclude={"stdin"})
+        return json.dumps(head, separators=(",", ":")).encode() + b"\n"
 
 
 class ReadRequest(_Strict):
@@ -128,6 +418,10 @@ class LeaseRequest(_Strict):
         description="the credential of the group: requests naming the same group_id join one "
         "lease only if they carry the same key (the gateway files the group under its digest); "
         "without it the lease can be joined by nobody. A group id alone is no credential.")
+    image: str | None = Field(
+        None, min_length=1, max_length=512,
+        description="the container image the group's sandbox runs (a task's own image); None for the "
+        "run's default image")
 
 
 class HeldLease(_Strict):
@@ -177,10 +471,10 @@ class WriteResult(_Answer):
 class ApiError(Exception):
     """A refusal with a reason, raised by the servers' handlers.
 
-    On the wire `{"detail": {"error": ..., "detail": ...}}` (FastAPI's envelope for handler
-    errors, which the clients unwrap into `SandboxError` and its kinds); the servers turn
-    it into that response (`api_error_response`). Plain Exception, not FastAPI's
-    HTTPException: the clients import this module, and the trainer image has no FastAPI.
+    On the wire `{"detail": {"error": ..., "detail": ...}}` (the envelope FastAPI gave handler
+    errors, kept: the clients unwrap it into `SandboxError` and its kinds); the servers turn
+    it into that response (`api_error_response`). Plain Exception, not Starlette's
+    HTTPException: the clients import this module, and the trainer image has no Starlette.
     """
 
     def __init__(self, status: int, error: str, detail: Any = "", headers: dict[str, str] | None = None):

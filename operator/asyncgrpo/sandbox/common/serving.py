@@ -62,6 +62,7 @@ def uvicorn_config(app, host: str, port: int, **extra):
         # [standard], trackio, ...), and uvloop's subprocess_exec refuses user/group: every
         # exec of a sandbox that drops to the command uid would answer 500
         loop="asyncio",
+        ws="none",  # no websocket route: never import a websockets library (the server's bundle has none)
         backlog=4096,
         h11_max_incomplete_event_size=64 * 1024,  # caps request line + headers
         **extra,

@@ -38,18 +38,23 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
-from fastapi.exception_handlers import http_exception_handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asyncgrpo import wire
 from asyncgrpo.sandbox.common.challenge import reset_call
-from asyncgrpo.sandbox.common.http_guard import Grant, GuardMiddleware, Refused, loads, parse_body
+from asyncgrpo.sandbox.common.http_guard import (
+    Grant,
+    GuardMiddleware,
+    Refused,
+    exception_handlers,
+    json_endpoint,
+    loads,
+    parse_body,
+)
 from asyncgrpo.sandbox.common.messages import (
     EXEC_STREAM_TYPE,
     ApiError,
@@ -57,7 +62,6 @@ from asyncgrpo.sandbox.common.messages import (
     HeartbeatsRequest,
     LeaseRequest,
     ScoreRequest,
-    api_error_response,
     read_stream_head,
 )
 from asyncgrpo.sandbox.gateway.metrics import GatewayMetrics
@@ -231,9 +235,8 @@ class Gateway:
             ("GET", "/healthz", self.healthz),
             ("GET", "/metrics", self.prom),
         ):
-            routes.append(Route(path, _json_endpoint(handler), methods=[method]))
-        app = Starlette(routes=routes, lifespan=self._lifespan,
-                        exception_handlers={HTTPException: http_exception_handler, ApiError: api_error_response})
+            routes.append(Route(path, json_endpoint(handler), methods=[method]))
+        app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=exception_handlers())
         app.state.pool = self.pool
         return GuardMiddleware(
             app,
@@ -505,11 +508,11 @@ class Gateway:
         """
         cap = self.settings.max_exec_seconds
         try:
-            req = model.model_validate(loads(raw))
-        except (ValueError, ValidationError):
+            req = model.validate(loads(raw))
+        except ValueError:  # bad JSON, or `messages.Invalid`
             return raw, _FILE_CALL_SECONDS
         req.timeout_seconds = min(req.timeout_seconds or cap, cap)
-        return json.dumps(req.model_dump(exclude_unset=True)).encode(), req.timeout_seconds + EXEC_SLACK_SECONDS
+        return json.dumps(req.dump(exclude_unset=True)).encode(), req.timeout_seconds + EXEC_SLACK_SECONDS
 
     async def _forward(self, lease_id: str, path: str, body, timeout: float, content_type: str | None = None):
         # looked up after the last await before the call: between here and `in_flight += 1`
@@ -590,20 +593,11 @@ class Gateway:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _json_endpoint(handler):
-    """A handler's dict as a JSON response (a Response passes as it is)."""
-    async def endpoint(request: Request) -> Response:
-        out = await handler(request)
-        return out if isinstance(out, Response) else JSONResponse(out)
-
-    return endpoint
-
-
 _TRUE, _FALSE = frozenset({"1", "on", "t", "true", "y", "yes"}), frozenset({"0", "off", "f", "false", "n", "no"})
 
 
 def _query_bool(request: Request, name: str) -> bool:
-    """A boolean query parameter, read as FastAPI (pydantic) would; absent is False."""
+    """A boolean query parameter, read as FastAPI (pydantic) did; absent is False."""
     raw = request.query_params.get(name)
     if raw is None or raw.lower() in _FALSE:
         return False

@@ -42,16 +42,21 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.requests import ClientDisconnect
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from asyncgrpo.sandbox.common.challenge import NonceLedger, ResetTicket, open_reset, proof
 from asyncgrpo.sandbox.common.http_guard import (
     Grant,
     GuardMiddleware,
     Refused,
+    exception_handlers,
     grant_of,
+    json_endpoint,
     loads,
     parse_body,
     validate,
@@ -67,7 +72,6 @@ from asyncgrpo.sandbox.common.messages import (
     ScoreResult,
     WriteRequest,
     WriteResult,
-    api_error_response,
     read_stream_head,
 )
 from asyncgrpo.sandbox.server.cgroup import CommandCgroup
@@ -219,7 +223,12 @@ def _refused(err: Exception) -> ApiError:
 
 
 class SandboxServer:
-    """One sandbox's state (workspace, commands, lease gate, quota) and its HTTP routes."""
+    """One sandbox's state (workspace, commands, lease gate, quota) and its HTTP routes.
+
+    Plain Starlette routes, as the gateway's, and no FastAPI or pydantic: the server also
+    runs from a bundle in a task's own image with that image's python3, where nothing
+    compiled can come along (docs/sandboxes.md, "The server in a task's own image").
+    """
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
@@ -242,8 +251,7 @@ class SandboxServer:
 
     # wiring ---------------------------------------------------------------------------
     def asgi(self) -> GuardMiddleware:
-        app = FastAPI(title="asyncgrpo sandbox", lifespan=self._lifespan, docs_url=None, redoc_url=None,
-                      exception_handlers={ApiError: api_error_response})
+        routes = []
         for method, path, handler in (
             ("POST", "/v1/exec", self.exec_),
             ("POST", "/v1/exec/stream", self.exec_stream),
@@ -254,7 +262,8 @@ class SandboxServer:
             ("GET", "/healthz", self.healthz),
             ("GET", "/metrics", self.prom),
         ):
-            app.add_api_route(path, handler, methods=[method], response_model=None)
+            routes.append(Route(path, json_endpoint(handler), methods=[method]))
+        app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=exception_handlers())
         app.state.metrics = self.metrics
         app.state.gate = self.gate
         app.state.server = self
@@ -534,7 +543,7 @@ class SandboxServer:
                                          generation=generation, during="during the scoring run",
                                          sweep_after=True)  # nothing of the scoring run outlives it
         if result is None:
-            return ScoreResult(**_not_started(timeout, "utf-8").model_dump(), editable_found=kept)
+            return ScoreResult(**_not_started(timeout, "utf-8").dump(), editable_found=kept)
         metrics.execs.labels(outcome="timeout" if result.timed_out else
                              ("ok" if result.exit_code == 0 else "nonzero")).inc()
         return ScoreResult(
@@ -606,7 +615,7 @@ class SandboxServer:
         log.warning("stopping: %d command processes killed, no command starts any more", killed)
         return killed
 
-    async def healthz(self) -> dict:
+    async def healthz(self, _request: Request) -> dict:
         s = self.settings
         ok = os.path.isdir(s.workspace) and shutil.disk_usage(s.workspace).free > 0
         body = {
@@ -621,7 +630,7 @@ class SandboxServer:
             raise HTTPException(503, detail=body)
         return body
 
-    async def prom(self) -> Response:
+    async def prom(self, _request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

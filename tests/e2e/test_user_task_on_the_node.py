@@ -3,6 +3,11 @@ image built from the task's own Dockerfile (docs/tasks.md), trains through the o
 pods; its environment's tools run in sandbox pods grown from the gateway's demand, its reward
 is scored there, and a real Prometheus has data for every dashboard panel the run feeds.
 
+Its rows name the image their sandbox runs (`spec.sandboxes.imageColumn`, SWE-style): two
+task images built FROM the plain Python base, with nothing of the project's in them, each
+get sandbox pods of their own image (the server comes from the init container and runs on
+the image's own python3), and an image without python3 is refused with the runtime's words.
+
 The tiny model is first taught the task's one tool call (asyncgrpo.testing.tool_caller, as
 tests/tasks does for the local run): a random tiny model never writes a parseable call, and
 then no tool would ever run. The taught checkpoint is cached by the files it depends on, so
@@ -15,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -43,6 +49,10 @@ TASK_TRAINER_IMAGE = "asyncgrpo.local/code-fix-trainer:e2e"
 TASK_VLLM_IMAGE = "asyncgrpo.local/vllm-code-fix:e2e"
 #: the task's data, where its Dockerfile puts the package (the path its comment names)
 TASK_DATA_PATH = "/opt/asyncgrpo/tasks/code-fix/code_fix/data/train.jsonl"
+#: the rows' own sandbox images: two task images FROM the plain Python base (no asyncgrpo,
+#: no FastAPI, nothing pip installed), and one without any python3 (FROM scratch)
+ROW_IMAGES = ("asyncgrpo.local/code-fix-task-a:e2e", "asyncgrpo.local/code-fix-task-b:e2e")
+NO_PYTHON_IMAGE = "asyncgrpo.local/no-python:e2e"
 
 
 def _taught_model_folder():
@@ -88,6 +98,33 @@ def _task_images(stack) -> None:
         import_into_node(stack.whole.node, ref, stack.workdir)
 
 
+def _row_images(stack) -> None:
+    """The task images a data set's rows name: built FROM the Python base image (as a SWE
+    image is FROM its language's), and a scratch image with no interpreter."""
+    base = subprocess.run(["bash", str(REPO / "hack" / "build-base-images.sh"), "python"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    base = base.splitlines()[-1].split("=", 1)[1]
+    for ref, containerfile in (*((r, f"FROM {base}\nCOPY task.txt /etc/asyncgrpo-task\n")
+                                 for r in ROW_IMAGES),
+                               (NO_PYTHON_IMAGE, "FROM scratch\nCOPY task.txt /task.txt\n")):
+        ctx = stack.workdir / "row-images" / ref.rsplit("/", 1)[1].replace(":", "-")
+        ctx.mkdir(parents=True, exist_ok=True)
+        (ctx / "task.txt").write_text(ref + "\n")
+        (ctx / "Containerfile").write_text(containerfile)
+        podman_build(ref, ctx)
+        import_into_node(stack.whole.node, ref, stack.workdir)
+
+
+def rows_naming_images(ns: str) -> dict:
+    """The task's rows, each naming one of the two task images, as a ConfigMap source."""
+    lines = [json.loads(line) for line in
+             (TASK / "code_fix" / "data" / "train.jsonl").read_text().splitlines() if line.strip()]
+    rows = [{**row, "image": ROW_IMAGES[i % 2]} for i, row in enumerate(lines)]
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "code-fix-rows", "namespace": ns},
+            "data": {"train.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}}
+
+
 def code_fix_run(ns: str, endpoint: str, steps: int) -> dict:
     """examples/tasks/code-fix/run.yaml as a cluster run: the task's image, its data inside
     it, the run's bucket on the test S3 server, sandbox pods of the project's image with no
@@ -104,9 +141,12 @@ def code_fix_run(ns: str, endpoint: str, steps: int) -> dict:
     spec["adapterStore"] = {"endpoint": endpoint, "bucket": "e2e-code-fix",
                             "credentialsSecret": {"name": "s3"}, "retention": 4,
                             "deletionPolicy": "Delete"}
-    spec["sandboxes"] = {"image": SANDBOX_IMAGE, "minWarm": 0, "max": 4, "hardCap": 6,
-                         "execTimeoutSeconds": 30}
-    spec["data"] = {"path": TASK_DATA_PATH}
+    # a pool per row image: minWarm 0 for the run's own (only the refused image's probe
+    # would use it), one warm pod kept for each task image in use
+    spec["sandboxes"] = {"image": SANDBOX_IMAGE, "minWarm": 0, "max": 8, "hardCap": 10,
+                         "execTimeoutSeconds": 30, "imageColumn": "image",
+                         "images": {"maxDistinct": 3, "minWarmPerImage": 1}}
+    spec["data"] = {"configMap": {"name": "code-fix-rows", "key": "train.jsonl"}}
     # besides the environment's get_reward (the task's reward, column CodeFix), the built-in
     # sandbox_tests: each completion scored in a sandbox of its own, 1 where the row's files
     # and the completion's solution.py lie side by side, which is only in the scoring
@@ -138,23 +178,66 @@ def gateway_lease_metrics(stack, ns: str, run: str) -> list[str]:
             if line.startswith("asyncgrpo_gateway_") and "lease" in line.split("{")[0]]
 
 
+def gateway_call(stack, ns: str, run: str, path: str, body: dict | None = None) -> dict:
+    """One call to the run's gateway from inside its pod, with the run's gateway token; the
+    JSON answer, or {"status": code, "error": ...} for a refusal."""
+    code = ("import json, os, sys, urllib.request as u, urllib.error as e\n"
+            "body = sys.argv[2].encode() if sys.argv[2] else None\n"
+            "r = u.Request('http://127.0.0.1:8080' + sys.argv[1], data=body, headers={"
+            "'authorization': 'Bearer ' + os.environ['ASYNCGRPO_GATEWAY_TOKEN'], "
+            "'content-type': 'application/json'})\n"
+            "try:\n    print(u.urlopen(r, timeout=120).read().decode())\n"
+            "except e.HTTPError as x:\n"
+            "    print(json.dumps({'status': x.code, **json.loads(x.read() or b'{}')}))\n")
+    out = stack.kubectl("-n", ns, "exec", f"deploy/{run}-gateway", "--", "python3", "-c", code,
+                        path, json.dumps(body) if body is not None else "", timeout=180)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def sandbox_pods_by_image(stack, ns: str) -> dict[str, list[dict]]:
+    """The run's sandbox pods now, by image key: name, images, Ready."""
+    pods = json.loads(stack.kubectl("-n", ns, "get", "pods", "-l",
+                                    "app.kubernetes.io/component=sandbox", "-o", "json"))
+    out: dict[str, list[dict]] = {}
+    for p in pods["items"]:
+        ready = any(c["type"] == "Ready" and c["status"] == "True"
+                    for c in (p.get("status") or {}).get("conditions") or [])
+        out.setdefault(p["metadata"]["labels"].get(wire.SANDBOX_IMAGE_LABEL, ""), []).append({
+            "name": p["metadata"]["name"], "image": p["spec"]["containers"][0]["image"],
+            "init": [c["image"] for c in p["spec"].get("initContainers") or []], "ready": ready})
+    return out
+
+
 def test_a_users_task_trains_from_its_image_with_tools_and_rewards_in_sandbox_pods(e2e_stack):
     stack, ns, name = e2e_stack, "team-code-fix", "code-fix"
     _task_images(stack)
+    _row_images(stack)
     stack.namespace(ns)
-    stack.apply(code_fix_run(ns, stack.s3.endpoint, steps=2))
+    stack.apply(rows_naming_images(ns), code_fix_run(ns, stack.s3.endpoint, steps=2))
     wait_for("a sandbox pod grown from demand", lambda: status_of(stack, name, ns)
              .get("sandboxes", {}).get("spawnedTotal", 0) >= 1, timeout=900,
              on_timeout=lambda: stack.describe(ns))
+    # a row naming an image without python3: the lease waits (and gives up), the pod the
+    # operator makes for it cannot start, and the run's status says why
+    probe = gateway_call(stack, ns, name, "/v1/leases", {
+        "group_id": "probe", "image": NO_PYTHON_IMAGE, "wait_seconds": 15})
+    assert probe.get("status") == 503 and probe.get("error") == "no_sandbox", probe
 
     logs: list[str] = []
     leases: list[str] = []
+    pods_seen: dict[str, dict[str, dict]] = {}
+    refusals: list[dict] = []
 
     def finished_keeping_logs():  # trainer logs and gateway metrics, read while they run
         logs.append(stack.logs(ns, "app.kubernetes.io/component=trainer"))
         if not leases:
             leases.extend(gateway_lease_metrics(stack, ns, name))
+        for key, pods in sandbox_pods_by_image(stack, ns).items():
+            for pod in pods:
+                seen = pods_seen.setdefault(key, {}).setdefault(pod["name"], pod)
+                seen["ready"] = seen["ready"] or pod["ready"]
         s = status_of(stack, name, ns)
+        refusals.extend(c for c in s.get("conditions", []) if c.get("reason") == "SandboxImageRefused")
         return s if s.get("phase") in ("Succeeded", "Failed") else None
 
     status = wait_for(f"{name} finished", finished_keeping_logs, timeout=1200, interval=5,
@@ -184,6 +267,22 @@ def test_a_users_task_trains_from_its_image_with_tools_and_rewards_in_sandbox_po
     assert any(0 < r < 1 for r in rewards), log[-3000:]
     # the built-in sandbox reward scored every completion of every step in a sandbox
     assert in_sandbox and all(v == 1.0 for v in in_sandbox), log[-3000:]
+
+    # each row's image: pods of that image, its server written by the init container of the
+    # run's sandbox image, Ready on the image's own python3, and leases served there (the
+    # gateway grants a group only a sandbox of the image it asked for)
+    images = gateway_call(stack, ns, name, wire.GATEWAY_DEMAND_PATH)["images"]
+    print(f"E2E row images: pods {json.dumps(pods_seen)}, gateway {json.dumps(images)}")
+    for ref in ROW_IMAGES:
+        key = wire.sandbox_image_key(ref)
+        pods = list(pods_seen.get(key, {}).values())
+        assert pods and all(p["image"] == ref and p["init"] == [SANDBOX_IMAGE] for p in pods), pods
+        assert any(p["ready"] for p in pods), pods
+        assert images[key]["image"] == ref and images[key]["retired_total"] >= 1, images
+    # nothing of a row's image ran on the run's own image
+    assert not pods_seen.get("default"), pods_seen
+    refused = [c for c in refusals if NO_PYTHON_IMAGE in c.get("message", "")]
+    assert refused and "python3" in refused[0]["message"], refusals or pods_seen
 
     # A real Prometheus discovered the run's pods through the API server and scraped them:
     # every dashboard panel and rule has data for the last moment the trainer was scraped

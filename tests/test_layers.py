@@ -296,3 +296,91 @@ def test_adapters_and_weights_are_siblings_on_the_versioned_store():
     for folder in ("storage", "adapters", "weights"):
         for p in sorted((PACKAGE / folder).rglob("*.py")):
             assert "type: ignore[override]" not in p.read_text(), p
+
+
+# ------------------------------------------------ the sandbox server: nothing compiled, nothing else
+
+#: what the sandbox server may import besides the standard library and `SERVER_OWN`: it also
+#: runs from a bundle in a task's own image, with that image's python3 (docs/sandboxes.md, "The
+#: server in a task's own image"), where only pure-Python code the bundle copies can come along
+SERVER_DEPENDENCIES = frozenset({"starlette", "anyio", "sniffio", "idna", "uvicorn", "h11", "click",
+                                 "prometheus_client", "typing_extensions"})
+#: asyncgrpo's modules in the server (a trailing ".": that package and its modules)
+SERVER_OWN = ("asyncgrpo", "asyncgrpo.wire", "asyncgrpo.sandbox", "asyncgrpo.sandbox.common.",
+              "asyncgrpo.sandbox.server.")
+#: optional imports of those packages that the test venv happens to satisfy and a bundle does
+#: not: blocked while the closure is read, as absent as in a task's image
+ABSENT_IN_A_BUNDLE = ("watchfiles", "python_multipart", "multipart", "uvloop", "httptools", "websockets",
+                      "wsproto", "exceptiongroup", "orjson", "ujson")
+_CLOSURE = r"""
+import json, sys, tempfile
+sys.path[:0] = sys.argv[1].split(":")
+for name in sys.argv[2].split(","):
+    sys.modules[name] = None
+from asyncgrpo.sandbox.server import portable
+portable.preload()
+from asyncgrpo.sandbox.common.serving import uvicorn_config
+from asyncgrpo.sandbox.server.app import SandboxServer, ServerSettings
+app = SandboxServer(ServerSettings(workspace=tempfile.mkdtemp(), token="t")).asgi()
+uvicorn_config(app, "127.0.0.1", 0).load()
+print(json.dumps({n: getattr(m, "__file__", None) for n, m in sys.modules.items() if m is not None}))
+"""
+
+
+def server_closure_violations(modules: dict[str, str | None]) -> list[str]:
+    """`module (file)` for each module the server may not import: not the standard library,
+    `SERVER_OWN` or `SERVER_DEPENDENCIES`, or compiled (outside the standard library)."""
+    bad = []
+    for name, file in sorted(modules.items()):
+        top = name.split(".")[0]
+        if top.startswith("__") or (top in sys.stdlib_module_names and "site-packages" not in (file or "")):
+            continue
+        if top == "asyncgrpo":
+            ok = any(name == own.rstrip(".") or (own.endswith(".") and name.startswith(own)) for own in SERVER_OWN)
+        else:
+            ok = top in SERVER_DEPENDENCIES
+        if not ok or not (file or "").endswith(".py"):
+            bad.append(f"{name} ({file})")
+    return bad
+
+
+def test_the_sandbox_servers_import_closure_is_pure_python_it_may_bundle():
+    """Everything the server imports at its start and when its uvicorn config loads, read from a
+    fresh interpreter with no site-packages but the venv's folder: the standard library, the
+    pure-Python packages of SERVER_DEPENDENCIES and the server's own modules, nothing else (no
+    pydantic, FastAPI, or any compiled module), and the bundle copies exactly those packages."""
+    import json
+    import subprocess
+
+    from asyncgrpo.sandbox.server import portable
+
+    assert set(portable.DEPENDENCIES) == SERVER_DEPENDENCIES
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", _CLOSURE, f"{PACKAGE.parent}:{site}",
+                          ",".join(ABSENT_IN_A_BUNDLE)], capture_output=True, text=True, timeout=120, check=True)
+    modules = json.loads(out.stdout)
+    assert "starlette.applications" in modules and "asyncgrpo.sandbox.server.app" in modules
+    assert not server_closure_violations(modules)
+
+
+def test_the_server_closure_rule_catches_what_a_bundle_cannot_hold():
+    assert server_closure_violations({
+        "json": "/usr/lib/python3.11/json/__init__.py",
+        "_json": None,
+        "_ssl": "/usr/lib/python3.11/lib-dynload/_ssl.cpython-311-x86_64-linux-gnu.so",
+        "starlette.routing": "/v/site-packages/starlette/routing.py",
+        "asyncgrpo.sandbox.server.app": "/o/asyncgrpo/sandbox/server/app.py",
+        "asyncgrpo.wire": "/o/asyncgrpo/wire.py",
+        "pydantic": "/v/site-packages/pydantic/__init__.py",
+        "pydantic_core._pydantic_core": "/v/site-packages/pydantic_core/_pydantic_core.cpython-311.so",
+        "h11._speedups": "/v/site-packages/h11/_speedups.cpython-311.so",
+        "asyncgrpo.sandbox.gateway.pool": "/o/asyncgrpo/sandbox/gateway/pool.py",
+        "asyncgrpo.api": "/o/asyncgrpo/api/__init__.py",
+        "typing_extensions": "/v/site-packages/typing_extensions.py",
+    }) == [
+        "asyncgrpo.api (/o/asyncgrpo/api/__init__.py)",
+        "asyncgrpo.sandbox.gateway.pool (/o/asyncgrpo/sandbox/gateway/pool.py)",
+        "h11._speedups (/v/site-packages/h11/_speedups.cpython-311.so)",
+        "pydantic (/v/site-packages/pydantic/__init__.py)",
+        "pydantic_core._pydantic_core (/v/site-packages/pydantic_core/_pydantic_core.cpython-311.so)",
+    ]

@@ -23,6 +23,13 @@ LEASE = "lease-secret-for-tests-0123456789"
 _BASES: list[Path] = []
 #: the interpreter another uid can run (the venv's lives in the checkout, maybe under /root)
 SYSTEM_PYTHON = "/usr/bin/python3.11"
+#: a python3 with no packages at all, as a task's own image has: the bundle's servers run on it
+FOREIGN_PYTHON = "/usr/bin/python3"
+#: how a test's sandbox server starts: `venv` (`asyncgrpo sandbox serve`, the test venv's
+#: Python) or `bundle` (what a task's own image runs: FOREIGN_PYTHON -I -S on the bundle that
+#: `asyncgrpo sandbox bundle` writes); `@pytest.mark.parametrize("sandbox", SERVER_KINDS,
+#: indirect=True)` runs a test on both
+SERVER_KINDS = ("venv", "bundle")
 
 
 def _first_path_closed_to_others(path: Path) -> Path | None:
@@ -118,8 +125,25 @@ def _cli() -> list[str]:
     return [sys.executable, "-m", "asyncgrpo.cli"]
 
 
+@pytest.fixture(scope="session")
+def server_bundle() -> Path:
+    """The server's bundle (`asyncgrpo sandbox bundle`), written once, in a folder every uid
+    can read (as the init container's emptyDir); skips without FOREIGN_PYTHON."""
+    if not os.access(FOREIGN_PYTHON, os.X_OK):
+        pytest.skip(f"no {FOREIGN_PYTHON} to run the bundle with")
+    from asyncgrpo.sandbox.server.portable import write_bundle
+
+    base = Path(tempfile.mkdtemp(prefix="asyncgrpo-bundle-"))
+    base.chmod(0o755)
+    _BASES.append(base)
+    return write_bundle(base / "server")
+
+
 def start_sandbox(tmp: Path, name: str = "sb", *extra: str, port: int | None = None, env: dict | None = None,
-                  host: str = "127.0.0.1", **popen) -> Proc:
+                  host: str = "127.0.0.1", bundle: Path | None = None, python: str = FOREIGN_PYTHON,
+                  **popen) -> Proc:
+    """A sandbox server on `port`; `bundle`: started from that bundle entry with `python`
+    (`python3 -I -S <entry> serve`, as in a task's own image), else `asyncgrpo sandbox serve`."""
     port = port or free_port()
     # commands run as another uid (server as root): the workspace must be reachable by path,
     # and pytest's tmp_path lives under a root-only directory
@@ -127,7 +151,8 @@ def start_sandbox(tmp: Path, name: str = "sb", *extra: str, port: int | None = N
     base.chmod(0o711)
     _BASES.append(base)
     ws = base / "ws"
-    args = [*_cli(), "sandbox", "serve", "--host", host, "--port", str(port), "--workspace", str(ws), *extra]
+    serve = [python, "-I", "-S", str(bundle), "serve"] if bundle else [*_cli(), "sandbox", "serve"]
+    args = [*serve, "--host", host, "--port", str(port), "--workspace", str(ws), *extra]
     e = {**os.environ, "ASYNCGRPO_SANDBOX_TOKEN": TOKEN, **(env or {})}
     p = Proc(args, e, tmp / f"{name}.log", port, host=host, **popen)
     p.workspace = ws
@@ -167,8 +192,12 @@ def lease_client(sb: Proc, secret: str = LEASE) -> httpx.Client:
 
 
 @pytest.fixture
-def sandbox(tmp_path):
-    p = start_sandbox(tmp_path, "sb", "--max-procs", "128", "--max-output-bytes", "65536")
+def sandbox(tmp_path, request):
+    """A server as `asyncgrpo sandbox serve` runs it, or (indirect parameter "bundle", see
+    SERVER_KINDS) from the bundle with a packageless python3."""
+    kind = getattr(request, "param", "venv")
+    bundle = request.getfixturevalue("server_bundle") if kind == "bundle" else None
+    p = start_sandbox(tmp_path, "sb", "--max-procs", "128", "--max-output-bytes", "65536", bundle=bundle)
     yield p
     p.stop()
 

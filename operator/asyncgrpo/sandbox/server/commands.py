@@ -1,5 +1,7 @@
 """`asyncgrpo sandbox serve`: the sandbox server's flags, each with an environment default
-(`ASYNCGRPO_SANDBOX_*`; common/serving.py), and its start: command uid, limits, hardening."""
+(`ASYNCGRPO_SANDBOX_*`; common/serving.py), and its start: command uid, limits, hardening.
+`asyncgrpo sandbox bundle DEST`: the server as a folder that runs in a task's own image
+(`portable`), whose entry serves through `portable_main` with the same flags."""
 
 from __future__ import annotations
 
@@ -21,10 +23,50 @@ from asyncgrpo.wire import (
 
 
 def register(subparsers) -> None:
-    bind_host = _bind_host()
     sb = subparsers.add_parser("sandbox", help="the sandbox server that runs in each sandbox pod")
     sbsub = sb.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
-    serve = sbsub.add_parser("serve", help="serve exec/files/reset over HTTP")
+    add_serve(sbsub)
+    bundle = sbsub.add_parser(
+        "bundle", help="write the server as a self-contained folder that a task's own image runs "
+        "with its python3 (python3 -I -S DEST/asyncgrpo-sandbox.py serve)")
+    bundle.add_argument("dest", metavar="DEST", help="the folder (made if missing; its bundle replaced)")
+    bundle.set_defaults(func=write_bundle)
+
+
+def portable_main(argv: list[str]) -> int:
+    """The bundle's entry (`portable`): `asyncgrpo-sandbox.py serve [flags]`, as `asyncgrpo sandbox serve`."""
+    parser = argparse.ArgumentParser(prog="asyncgrpo-sandbox.py",
+                                     description="the asyncgrpo sandbox server, run by a task image's python3")
+    add_serve(parser.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def write_bundle(args: argparse.Namespace) -> int:
+    import time
+
+    from asyncgrpo.sandbox.server.portable import BundleError
+    from asyncgrpo.sandbox.server.portable import write_bundle as write
+
+    t0 = time.monotonic()
+    try:
+        entry = write(args.dest)
+    except BundleError as err:
+        print(f"asyncgrpo sandbox bundle: {err}", file=sys.stderr)
+        return 1
+    print(f"asyncgrpo sandbox bundle: wrote {entry} in {time.monotonic() - t0:.2f}s", file=sys.stderr)
+    return 0
+
+
+def default_shell() -> str:
+    """bash where the image has it, else /bin/sh (a task's own image may have no bash)."""
+    return "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
+
+
+def add_serve(actions) -> None:
+    """The `serve` action and its flags, on `asyncgrpo sandbox` and on the bundle's entry."""
+    bind_host = _bind_host()
+    serve = actions.add_parser("serve", help="serve exec/files/reset over HTTP")
     E = SANDBOX_ENV_PREFIX
     _add(serve, "--host", E + "HOST", bind_host)
     _add(serve, "--port", E + "PORT", SANDBOX_PORT, int)
@@ -60,7 +102,7 @@ def register(subparsers) -> None:
     _add(serve, "--max-read-bytes", E + "MAX_READ_BYTES", 8 << 20, int)
     _add(serve, "--max-concurrent-execs", E + "MAX_CONCURRENT_EXECS", 64, int,
          help_="execs running at once; more wait their turn")
-    _add(serve, "--shell", E + "SHELL", "/bin/bash")
+    _add(serve, "--shell", E + "SHELL", default_shell(), help_="the shell of string commands")
     _add(serve, "--wipe-dirs", E + "WIPE_DIRS", "/tmp,/dev/shm,/dev/mqueue",
          help_="shared scratch directories a reset empties of what commands left there (root: entries "
                "of the command uid; non-root: entries of the server's uid, only as PID 1 of a pod's "

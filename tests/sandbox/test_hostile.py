@@ -1,7 +1,9 @@
 """State a command or a client can create never gives a 500, and the connection stays usable.
 
 Each case came out of attacking a real server as a hostile rollout would; each asserts the
-4xx with its reason, then that the same keep-alive connection still serves an exec.
+4xx with its reason, then that the same keep-alive connection still serves an exec. The
+cases marked `on_both` run on a server from the bundle too (a packageless python3 -I -S, as
+in a task's own image; `SERVER_KINDS`).
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.sandbox.conftest import gw_client, holder, start_gateway, start_sandbox
+from tests.sandbox.conftest import SERVER_KINDS, gw_client, holder, start_gateway, start_sandbox
 from tests.sandbox.test_gateway import all_warm
+
+#: the case runs on the venv's server and on one from the bundle (see the module docstring)
+on_both = pytest.mark.parametrize("sandbox", SERVER_KINDS, indirect=True)
 
 
 def still_serves(client: httpx.Client, path: str = "/v1/exec") -> None:
     assert client.post(path, json={"command": "echo fine"}).json()["stdout"] == "fine\n"
 
 
+@on_both
 def test_writing_to_a_fifo_the_command_made_is_a_4xx(client):
     client.post("/v1/exec", json={"command": "mkfifo pipe"}).raise_for_status()
     for _ in range(5):
@@ -35,6 +41,7 @@ def test_writing_to_a_fifo_the_command_made_is_a_4xx(client):
         still_serves(client)
 
 
+@on_both
 def test_writes_racing_a_symlink_swap_never_500(client, sandbox, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -53,6 +60,7 @@ def test_writes_racing_a_symlink_swap_never_500(client, sandbox, tmp_path):
     still_serves(client)
 
 
+@on_both
 @pytest.mark.parametrize("depth", [1000, 200_000])
 def test_deeply_nested_json_is_a_400_in_server_and_gateway(client, sandbox, tmp_path, depth):
     deep = b'{"command": ' + b"[" * depth + b"]" * depth + b"}"
@@ -74,6 +82,7 @@ def test_deeply_nested_json_is_a_400_in_server_and_gateway(client, sandbox, tmp_
         gw.stop()
 
 
+@on_both
 def test_exec_cwd_through_a_symlink_is_refused(client, tmp_path):
     client.post("/v1/exec", json={"command": f"mkdir -p real; ln -s {tmp_path} out; ln -s real inside"})
     for cwd in ("out", "inside", "missing", "real/../.."):
@@ -82,6 +91,7 @@ def test_exec_cwd_through_a_symlink_is_refused(client, tmp_path):
     assert client.post("/v1/exec", json={"command": "pwd", "cwd": "real"}).json()["stdout"].endswith("/main/real\n")
 
 
+@on_both
 def test_binary_output_comes_back_exact_in_base64(client):
     raw = bytes(range(256)) * 4
     client.post("/v1/files/write", json={"path": "blob", "content": base64.b64encode(raw).decode(),
@@ -132,6 +142,7 @@ def test_refuses_command_uid_0(tmp_path):
         assert r.returncode != 0 and "unprivileged" in r.stderr
 
 
+@on_both
 def test_root_mode_refuses_hardlinked_and_foreign_files(client, sandbox):
     if os.geteuid() != 0:
         pytest.skip("the server opens files with root's rights only when it runs as root")
@@ -150,6 +161,7 @@ def test_root_mode_refuses_hardlinked_and_foreign_files(client, sandbox):
     assert client.post("/v1/files/read", json={"path": "fresh"}).json()["content"] == "ok"
 
 
+@on_both
 def test_concurrent_clients_after_errors_keep_their_connections(client):
     errors: list[str] = []
 

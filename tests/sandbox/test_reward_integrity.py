@@ -11,6 +11,11 @@ what its sibling scores.
 The test command runs with "the harness's interpreter": a venv of the system Python with
 pytest copied in (the test venv's own interpreter lives under /root, which the commands'
 uid cannot reach), named by absolute path, as a task image's `python3` would be.
+
+`BUNDLE_CASES` run again against servers started from the bundle a task's own image runs
+(`asyncgrpo sandbox bundle`, a packageless python3 -I -S): the honest baseline and the
+attacks on the scoring's files, interpreter, user site and background processes; and a
+sibling's solution stays its own there too.
 """
 
 from __future__ import annotations
@@ -87,13 +92,23 @@ UT_ROW = {"prompt": [{"role": "user", "content": "Fix calc.py"}],
 def pool(tmp_path_factory):
     """Four sandboxes, each with its own command uid (as each pod has its own filesystem),
     a small workspace quota, and a gateway with the direct data path."""
-    tmp = tmp_path_factory.mktemp("integrity")
+    yield from _pool(tmp_path_factory.mktemp("integrity"))
+
+
+@pytest.fixture(scope="module")
+def bundle_pool(tmp_path_factory, server_bundle):
+    """`pool`, its servers started from the bundle with a packageless python3."""
+    yield from _pool(tmp_path_factory.mktemp("integrity-bundle"), server_bundle)
+
+
+def _pool(tmp: Path, bundle: Path | None = None):
     # uids no other process of the machine has: a root server SIGKILLs every process of its
     # command uid at start and at each reset (`process.kill_uid`), and 65532 (the 65534 - 2
     # this used) is the user of the project's images, so a run of this beside the node's
     # e2e pods killed them (exit 137); below the allocator's blocks (COMMAND_UID_BASE)
     sbs = [start_sandbox(tmp, f"ri{i}", "--command-uid", str(UID_BASE + i), "--command-gid", str(UID_BASE + i),
-                         "--max-workspace-bytes", str(16 << 20), "--max-procs", "256") for i in range(4)]
+                         "--max-workspace-bytes", str(16 << 20), "--max-procs", "256", bundle=bundle)
+           for i in range(4)]
     gw = start_gateway(tmp, [s.url for s in sbs], "--lease-ttl-seconds", "20", "--health-interval-seconds", "0.3")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ASYNCGRPO_GATEWAY_TOKEN", GW_TOKEN)
@@ -201,6 +216,25 @@ def test_unittest_gaming_scores_no_more_than_the_honest_solution(pool, attack):
     assert rollout(pool, UT_ROW, UNITTEST_ATTACKS[attack]) <= 0.5
 
 
+#: (kind, attack) run on `bundle_pool` too: an honest rollout, and the attacks through the
+#: scoring's files, interpreter, user site and background processes
+BUNDLE_CASES = [("pytest", "honest"), ("pytest", "conftest_marks_passed"), ("pytest", "pytest_py_in_session"),
+                ("pytest", "background_rewrites_test"), ("unittest", "usercustomize_in_user_site"),
+                ("unittest", "shell_profiles"), ("unittest", "exit_zero_at_import")]
+
+
+@pytest.mark.parametrize(("kind", "attack"), BUNDLE_CASES)
+def test_gaming_from_the_bundle_scores_no_more_than_the_honest_solution(bundle_pool, harness_python, kind,
+                                                                        attack):
+    row = py_row(harness_python) if kind == "pytest" else UT_ROW
+    if attack == "honest":
+        assert rollout(bundle_pool, row, lambda e: e.shell("ls")) == 0.5
+        assert rollout(bundle_pool, row, lambda e: e.write_file("calc.py", FIXED)) == 1.0
+        return
+    attacks = PYTEST_ATTACKS if kind == "pytest" else UNITTEST_ATTACKS
+    assert rollout(bundle_pool, row, attacks[attack]) <= 0.5
+
+
 def test_the_test_files_run_are_the_rows_even_if_the_rollout_changed_them(pool):
     """Not only no gain: the row's tests are what ran (the other failure is still reported)."""
     reward = rollout(pool, {**UT_ROW, "test_command": "cat test_calc.py; python3 -m unittest -v 2>&1"},
@@ -217,7 +251,9 @@ def group(gw, g: int = 2) -> list:
     return envs
 
 
-def test_a_rollout_cannot_read_or_copy_its_siblings_solution(pool):
+@pytest.mark.parametrize("servers", ["pool", "bundle_pool"])
+def test_a_rollout_cannot_read_or_copy_its_siblings_solution(request, servers):
+    pool = request.getfixturevalue(servers)
     honest, thief = group(pool)
     honest.write_file("calc.py", FIXED)
     seen = thief.shell("ls ..; cat ../*/calc.py; for d in ../*/; do cp $d/calc.py . 2>/dev/null; done; "

@@ -105,95 +105,165 @@ def _describe(tp) -> str:
         return "a valid dictionary"
     if origin is Literal:
         return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin is typing.Union or origin is types.UnionType:
+        return " or ".join(_describe(m) for m in typing.get_args(tp))
     if isinstance(tp, type) and issubclass(tp, _Model):
         return f"a valid dictionary or instance of {tp.__name__}"
     return str(tp)
 
 
-def _check(tp, value, loc: tuple, errors: list[dict]) -> Any:
-    """`value` as type `tp` (an int becomes a float where a float is expected), or an error."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
+Checker = Callable[[Any, tuple, list], Any]
+
+
+def _wrong(tp) -> Checker:
+    msg = f"Input should be {_describe(tp)}"
+
+    def wrong(value, loc, errors):
+        errors.append({"loc": loc, "msg": msg})
         return value
+
+    return wrong
+
+
+def _compile(tp) -> Checker:
+    """`check(value, loc, errors)`: `value` as type `tp` (an int becomes a float where a float
+    is expected), or the value unchanged and an error appended. Built once per field."""
+    origin = typing.get_origin(tp)
+    wrong = _wrong(tp)
+    if tp is Any:
+        return lambda value, loc, errors: value
     if origin is typing.Union or origin is types.UnionType:
         members = typing.get_args(tp)
-        if value is None and type(None) in members:
-            return None
-        members = tuple(m for m in members if m is not type(None))
-        if len(members) == 1:
-            return _check(members[0], value, loc, errors)
-        closest = None
-        for member in members:
-            found: list[dict] = []
-            out = _check(member, value, loc, found)
-            if not found:
-                return out
-            kind = typing.get_origin(member) or member
-            if isinstance(kind, type) and isinstance(value, kind):
-                closest = found  # the member of the value's own kind says what is wrong in it
-        errors.extend(closest or [{"loc": loc, "msg": "Input should be "
-                                   + " or ".join(_describe(m) for m in members)}])
-        return value
-    ok = True
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp in (str, bool) or tp is type(None):
-        ok = isinstance(value, tp)
-    elif origin is Literal:
-        ok = any(type(value) is type(a) and value == a for a in typing.get_args(tp))
-    elif origin is list:
-        if isinstance(value, list):
-            (item,) = typing.get_args(tp)
-            return [_check(item, v, (*loc, i), errors) for i, v in enumerate(value)]
-        ok = False
-    elif origin is dict:
-        if isinstance(value, dict):
-            key_tp, value_tp = typing.get_args(tp)
-            return {_check(key_tp, k, (*loc, k), errors): _check(value_tp, v, (*loc, k), errors)
-                    for k, v in value.items()}
-        ok = False
-    elif isinstance(tp, type) and issubclass(tp, _Model):
-        if isinstance(value, tp):
+        optional = type(None) in members
+        rest = [m for m in members if m is not type(None)]
+        if len(rest) == 1:
+            inner = _compile(rest[0])
+
+            def one(value, loc, errors):
+                return None if value is None and optional else inner(value, loc, errors)
+
+            return one
+        kinds = [(typing.get_origin(m) or m, _compile(m)) for m in rest]
+        wrong = _wrong(typing.Union[tuple(rest)])  # noqa: UP007 - a Union made at run time; no None
+
+        def union(value, loc, errors):
+            if value is None and optional:
+                return None
+            closest = None
+            for kind, check in kinds:
+                found: list[dict] = []
+                out = check(value, loc, found)
+                if not found:
+                    return out
+                if isinstance(kind, type) and isinstance(value, kind):
+                    closest = found  # the member of the value's own kind says what is wrong in it
+            if closest is None:
+                return wrong(value, loc, errors)
+            errors.extend(closest)
             return value
-        if isinstance(value, dict):
-            return tp._from(value, loc, errors)
-        ok = False
-    else:  # pragma: no cover - a model declared a type this checker does not know
-        raise TypeError(f"unsupported field type {tp!r}")
-    if not ok:
-        errors.append({"loc": loc, "msg": f"Input should be {_describe(tp)}"})
-    return value
+
+        return union
+    if tp is float:
+        def number(value, loc, errors):
+            if isinstance(value, float):
+                return value
+            if isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            return wrong(value, loc, errors)
+
+        return number
+    if tp is int:
+        return lambda value, loc, errors: (value if isinstance(value, int) and not isinstance(value, bool)
+                                           else wrong(value, loc, errors))
+    if tp in (str, bool, type(None)):
+        return lambda value, loc, errors: value if isinstance(value, tp) else wrong(value, loc, errors)
+    if origin is Literal:
+        choices = {(type(a), a) for a in typing.get_args(tp)}
+        return lambda value, loc, errors: (value if (type(value), value) in choices
+                                           else wrong(value, loc, errors))
+    if origin is list:
+        (item,) = [_compile(a) for a in typing.get_args(tp)]
+
+        def items(value, loc, errors):
+            if type(value) is not list:
+                return wrong(value, loc, errors)
+            return [item(v, (*loc, i), errors) for i, v in enumerate(value)]
+
+        return items
+    if origin is dict:
+        key, val = [_compile(a) for a in typing.get_args(tp)]
+
+        def mapping(value, loc, errors):
+            if type(value) is not dict:
+                return wrong(value, loc, errors)
+            return {key(k, (*loc, k), errors): val(v, (*loc, k), errors) for k, v in value.items()}
+
+        return mapping
+    if isinstance(tp, type) and issubclass(tp, _Model):
+        def model(value, loc, errors):
+            if isinstance(value, tp):
+                return value
+            if type(value) is dict:
+                return tp._from(value, loc, errors)
+            return wrong(value, loc, errors)
+
+        return model
+    raise TypeError(f"unsupported field type {tp!r}")  # pragma: no cover - a model's own mistake
 
 
-def _bounds(info: _FieldInfo, value, loc: tuple, errors: list[dict]) -> None:
-    """The field's own rules, on a value of the right type (None passes: it is "not given")."""
-    if value is None:
-        return
-    problem = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if info.gt is not None and not value > info.gt:
-            problem = f"Input should be greater than {info.gt}"
-        elif info.ge is not None and not value >= info.ge:
-            problem = f"Input should be greater than or equal to {info.ge}"
-        elif info.le is not None and not value <= info.le:
-            problem = f"Input should be less than or equal to {info.le}"
-    elif isinstance(value, (str, list)):
-        what, unit = ("String", "character") if isinstance(value, str) else ("List", "item")
-        if info.min_length is not None and len(value) < info.min_length:
-            problem = f"{what} should have at least {info.min_length} {unit}{'s' * (info.min_length != 1)}"
-        elif info.max_length is not None and len(value) > info.max_length:
-            problem = f"{what} should have at most {info.max_length} {unit}{'s' * (info.max_length != 1)}"
-            problem += f", not {len(value)}" if isinstance(value, list) else ""
-    if problem is None and info.check is not None:
-        try:
-            info.check(value)
-        except ValueError as err:
-            problem = f"Value error, {err}"
-    if problem is not None:
-        errors.append({"loc": loc, "msg": problem})
+def _rules(info: _FieldInfo) -> Callable[[Any], str | None] | None:
+    """The field's own rules as one function: what is wrong with a value of the right type, or
+    None (None itself passes: it is "not given"); no function where the field has no rules."""
+    checks: list[Callable[[Any], str | None]] = []
+    number = (int, float)
+    if info.gt is not None:
+        gt = info.gt
+        checks.append(lambda v: None if not isinstance(v, number) or v > gt else f"Input should be greater than {gt}")
+    if info.ge is not None:
+        ge = info.ge
+        checks.append(lambda v: None if not isinstance(v, number) or v >= ge
+                      else f"Input should be greater than or equal to {ge}")
+    if info.le is not None:
+        le = info.le
+        checks.append(lambda v: None if not isinstance(v, number) or v <= le
+                      else f"Input should be less than or equal to {le}")
+
+    def _unit(v, n: int) -> str:
+        what, unit = ("String", "character") if isinstance(v, str) else ("List", "item")
+        return f"{what} should have {{}} {n} {unit}{'s' * (n != 1)}"
+
+    if info.min_length is not None:
+        lo = info.min_length
+        checks.append(lambda v: None if not isinstance(v, (str, list)) or len(v) >= lo
+                      else _unit(v, lo).format("at least"))
+    if info.max_length is not None:
+        hi = info.max_length
+        checks.append(lambda v: None if not isinstance(v, (str, list)) or len(v) <= hi
+                      else _unit(v, hi).format("at most") + (f", not {len(v)}" if isinstance(v, list) else ""))
+    if info.check is not None:
+        own = info.check
+
+        def checked(v) -> str | None:
+            try:
+                own(v)
+            except ValueError as err:
+                return f"Value error, {err}"
+            return None
+
+        checks.append(checked)
+    if not checks:
+        return None
+
+    def rules(value) -> str | None:
+        if value is None:
+            return None
+        for check in checks:  # the first broken rule only, as pydantic reported it
+            problem = check(value)
+            if problem is not None:
+                return problem
+        return None
+
+    return rules
 
 
 # models -------------------------------------------------------------------------------
@@ -206,14 +276,15 @@ class _Model:
 
     __slots__ = ("__dict__", "_fields_set")
     extra: ClassVar[str] = "forbid"
-    _fields: ClassVar[dict[str, tuple[Any, _FieldInfo]] | None] = None
+    _fields: ClassVar[dict[str, tuple[Checker, _FieldInfo, Callable | None]] | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._fields = None  # resolved on first use: a model may name one defined after it
 
     @classmethod
-    def _spec(cls) -> dict[str, tuple[Any, _FieldInfo]]:
+    def _spec(cls) -> dict[str, tuple[Checker, _FieldInfo, Callable | None]]:
+        """name -> (its type's checker, its Field, its own rules: `_rules`)."""
         spec = cls.__dict__.get("_fields")
         if spec is None:
             hints = typing.get_type_hints(cls)
@@ -224,7 +295,7 @@ class _Model:
                         continue
                     declared = klass.__dict__.get(name, _MISSING)
                     info = declared if isinstance(declared, _FieldInfo) else _FieldInfo(declared)
-                    spec[name] = (hints[name], info)
+                    spec[name] = (_compile(hints[name]), info, _rules(info))
             cls._fields = spec
         return spec
 
@@ -232,25 +303,28 @@ class _Model:
     def _from(cls, data: dict, loc: tuple, errors: list[dict]) -> _Model:
         self = cls.__new__(cls)
         values = self.__dict__
-        spec = cls._spec()
-        for name, (tp, info) in spec.items():
+        spec = cls._fields if cls._fields is not None else cls._spec()
+        given = 0
+        for name, (check, info, rules) in spec.items():
             if name in data:
-                found: list[dict] = []
-                value = _check(tp, data[name], (*loc, name), found)
-                if not found:
-                    _bounds(info, value, (*loc, name), found)
-                errors.extend(found)
-                values[name] = value
+                given += 1
+                before = len(errors)
+                value = values[name] = check(data[name], (*loc, name), errors)
+                if rules is not None and len(errors) == before:
+                    problem = rules(value)
+                    if problem is not None:
+                        errors.append({"loc": (*loc, name), "msg": problem})
             elif info.required:
                 errors.append({"loc": (*loc, name), "msg": "Field required"})
             else:
                 values[name] = info.make_default()
-        for name, value in data.items():
-            if name not in spec:
-                if cls.extra == "forbid" or not isinstance(name, str):
-                    errors.append({"loc": (*loc, name), "msg": "Extra inputs are not permitted"})
-                else:
-                    values[name] = value
+        if given < len(data):  # keys that are no field
+            for name, value in data.items():
+                if name not in spec:
+                    if cls.extra == "forbid" or not isinstance(name, str):
+                        errors.append({"loc": (*loc, name), "msg": "Extra inputs are not permitted"})
+                    else:
+                        values[name] = value
         object.__setattr__(self, "_fields_set", frozenset(data))
         return self
 
@@ -271,7 +345,7 @@ class _Model:
     def unchecked(cls, **values):
         """The model with `values` as they are (no checks; unset fields take their defaults)."""
         self = cls.__new__(cls)
-        for name, (_tp, info) in cls._spec().items():
+        for name, (_check, info, _rules) in cls._spec().items():
             self.__dict__[name] = values[name] if name in values else info.make_default()
         self.__dict__.update((k, v) for k, v in values.items() if k not in self.__dict__)
         object.__setattr__(self, "_fields_set", frozenset(values))

@@ -519,7 +519,7 @@ class SandboxSpec(Model):
         description="A data column naming the image each row's sandbox runs (make one from "
         "any source field with spec.data.columns, e.g. {image: {field: docker_image}}); a "
         "row whose column is null or empty gets spec.sandboxes.image. The image needs only "
-        "a python3 (3.9 or newer): an init container from spec.sandboxes.image puts the "
+        "a python3 (3.11 or newer): an init container from spec.sandboxes.image puts the "
         "sandbox server in the pod. Cluster runs only.")
     images: SandboxImagesSpec = Field(
         default_factory=lambda: SandboxImagesSpec(),

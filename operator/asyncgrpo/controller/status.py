@@ -316,7 +316,7 @@ def _sandboxes_condition(spec: AsyncGRPORunSpec, obs: Observation,
         return _cond("SandboxesReady", False, "SandboxImageRefused",
                      f"image {refused.image} (a row's spec.sandboxes.imageColumn) cannot run "
                      f"the sandbox server ({refused.problem}): {said[0][:300]}; it needs a "
-                     "python3, 3.9 or newer, on its PATH")
+                     "python3, 3.11 or newer, on its PATH")
     if counts.get("failed"):
         stuck = _problem(obs.children, SANDBOX)
         detail = f" ({stuck.name}: {stuck.problem})" if stuck else ""

@@ -271,7 +271,8 @@ class _Model:
     """Fields from the class's annotations (a `Field(...)` or a plain default as the value).
 
     `extra` says what unknown keys do: "forbid" (requests: an error) or "allow" (results:
-    kept as attributes, so a newer server's extra keys reach the caller).
+    kept as attributes, so a newer server's extra keys reach the caller; one named like a
+    method of the class is dropped).
     """
 
     __slots__ = ("__dict__", "_fields_set")
@@ -323,7 +324,7 @@ class _Model:
                 if name not in spec:
                     if cls.extra == "forbid" or not isinstance(name, str):
                         errors.append({"loc": (*loc, name), "msg": "Extra inputs are not permitted"})
-                    else:
+                    elif not hasattr(cls, name):  # never over a method (`get`) or the slot
                         values[name] = value
         object.__setattr__(self, "_fields_set", frozenset(data))
         return self

@@ -3,7 +3,9 @@ what the 422 says, and the dict-like results. No server: the servers' use is in 
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
 import pytest
 
@@ -104,6 +106,8 @@ def test_results_index_like_dicts_and_keep_extra_keys():
         r["absent"]
     assert r.dump() == {**d, "duration_seconds": 1.0, "output_encoding": "utf-8"}
     assert ExecResult.validate(d) == r
+    again = pickle.loads(pickle.dumps(r))
+    assert again == r and again.fields_set == r.fields_set and copy.deepcopy(r) == r
     odd = ExecResult.validate({**d, "get": 1, "dump": 2, "_fields_set": 3})  # never over a method
     assert odd.get("exit_code") == 0 and odd.dump()["stdout"] == "o" and odd.fields_set >= {"stdout"}
     assert ("stdout",) in [tuple(e["loc"]) for e in pytest.raises(Invalid, ExecResult.validate,

@@ -365,6 +365,14 @@ class _Model:
         self.__dict__[name] = value
         object.__setattr__(self, "_fields_set", self._fields_set | {name})
 
+    def __getstate__(self) -> tuple[dict, frozenset[str]]:
+        return dict(self.__dict__), self._fields_set
+
+    def __setstate__(self, state: tuple[dict, frozenset[str]]) -> None:
+        """For pickle and copy (which would set the slot through `__setattr__`)."""
+        self.__dict__.update(state[0])
+        object.__setattr__(self, "_fields_set", state[1])
+
     @property
     def fields_set(self) -> frozenset[str]:
         return self._fields_set

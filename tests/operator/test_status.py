@@ -192,7 +192,7 @@ def test_a_rows_image_that_cannot_run_the_server_is_named_with_the_runtimes_word
     assert c["reason"] == "SandboxImageRefused", c
     assert "registry.example/no-python:1" in c["message"] and "imageColumn" in c["message"]
     assert '"python3": executable file not found' in c["message"]
-    from asyncgrpo.sandbox.server.portable import CODE_MINIMUM   # the bundle's own floor
+    from asyncgrpo.sandbox.server.portable import CODE_MINIMUM  # the bundle's own floor
 
     assert f"python3, {CODE_MINIMUM[0]}.{CODE_MINIMUM[1]} or newer" in c["message"]
 

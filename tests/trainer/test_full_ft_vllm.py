@@ -36,6 +36,7 @@ from asyncgrpo.local.vllm import vllm_python, vllm_venv
 from asyncgrpo.testing.net import free_port
 from asyncgrpo.testing.vllm import launch_vllm
 from tests.trainer.test_e2e_vllm import _env, _start, _status, _tail, _wait_or_kill
+from tests.vllm_server import start_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -107,7 +108,8 @@ def test_full_finetuning_through_the_bucket_on_two_replicas(s3_server, tmp_path)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(doc))
 
-    replicas = [_start_vllm(model, tmp_path / f"vllm-{i}.log") for i in range(2)]
+    replicas = start_together(*(lambda i=i: _start_vllm(model, tmp_path / f"vllm-{i}.log")
+                                for i in range(2)))
     puller_env = {**os.environ, **s3_server.env(), "ASYNCGRPO_ADAPTER_BUCKET": bucket,
                   "ASYNCGRPO_ADAPTER_RUN": run, "ASYNCGRPO_ADAPTER_PREFIX": "asyncgrpo",
                   "ASYNCGRPO_ADAPTER_ENDPOINT": s3_server.endpoint,

@@ -28,6 +28,7 @@ from asyncgrpo.testing.vllm import launch_vllm
 from asyncgrpo.trainer.weights import BucketWeightTransfer
 from asyncgrpo.weights.puller import Puller, VLLMControl
 from asyncgrpo.weights.store import WeightStore
+from tests.vllm_server import start_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -90,7 +91,8 @@ def test_two_replicas_follow_anchors_and_deltas(tiny, s3_server, bucket, s3_env,
                                retention=50, fault_corrupt_versions={CORRUPT})
     pub.init_weight_transfer()
 
-    servers = [start_full_ft_vllm(tiny, tmp_path / f"vllm-{i}.log") for i in range(2)]
+    servers = start_together(*(lambda i=i: start_full_ft_vllm(tiny, tmp_path / f"vllm-{i}.log")
+                               for i in range(2)))
     pullers = [Puller(store, VLLMControl(s.base_url), tmp_path / f"pod-{i}", poll_s=0.1)
                for i, s in enumerate(servers)]
     names = [VLLMControl(s.base_url).served_model() for s in servers]

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,13 +57,24 @@ def _local_run(tmp_path: Path, mutate=None, env=None, max_steps: int = 3, exampl
                                        err.read_text()), s3_port
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_local_run_trains_and_stops_everything(tmp_path):
-    """... and reports to TRL's offline loggers (trackio, tensorboard), which write under the
-    trainer pod's work directory and never reach for the network. The prompts come from
-    Parquet (a `question` column) with a system prompt, and an eval split (Parquet too) is
-    scored after step 2 and after the last: its reward reaches both loggers and status."""
+@dataclass
+class LoraRun:
+    """One finished `asyncgrpo local run` of the LoRA example, shared by the module's tests
+    that only read it (a local run is a vLLM start, a trainer start and the steps: over a
+    minute on two cores). `mutate` is its run file's change to the example, for a rerun."""
+
+    root: Path  # the run's tmp folder: run.yaml, demo/, work/ (--workdir) and s3/
+    result: subprocess.CompletedProcess
+    s3_port: int
+    mutate: Callable[[dict], None]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> LoraRun:
+    """3 steps with TRL's offline loggers (trackio, tensorboard), prompts from Parquet (a
+    `question` column) with a system prompt, an eval split (Parquet too) scored after step 2
+    and after the last; a checkpoint every 2 steps and the bucket's objects retained, for
+    the rerun of `test_a_finished_run_leaves_its_result_on_disk_and_a_rerun_resumes`."""
     import time
 
     import pyarrow as pa
@@ -71,22 +84,35 @@ def test_local_run_trains_and_stops_everything(tmp_path):
 
     if vllm_python() is None:
         pytest.skip("vLLM venv missing: run hack/setup-vllm-venv.sh (make test does)")
+    root = tmp_path_factory.mktemp("lora-run")
     pq.write_table(pa.Table.from_pylist([{"question": p} for p in PROMPTS]),
-                   tmp_path / "train.parquet")
+                   root / "train.parquet")
     pq.write_table(pa.Table.from_pylist([{"question": p} for p in PROMPTS[-3:]]),
-                   tmp_path / "eval.parquet")
+                   root / "eval.parquet")
 
     def mutate(d):
-        d["spec"]["trainer"].update(reportTo=["trackio", "tensorboard"])
-        d["spec"]["data"] = {"path": str(tmp_path / "train.parquet"), "promptField": "question",
+        d["spec"]["trainer"].update(reportTo=["trackio", "tensorboard"], checkpointInterval=2)
+        d["spec"]["adapterStore"]["deletionPolicy"] = "Retain"
+        d["spec"]["data"] = {"path": str(root / "train.parquet"), "promptField": "question",
                              "systemPrompt": "Answer with digits only.",
-                             "eval": {"path": str(tmp_path / "eval.parquet"), "evalSteps": 2,
+                             "eval": {"path": str(root / "eval.parquet"), "evalSteps": 2,
                                       "numGenerations": 2}}
 
     t0 = time.monotonic()
-    result, s3_port = _local_run(tmp_path, mutate=mutate)
+    result, s3_port = _local_run(root, mutate=mutate, max_steps=3)
     print(f"local run of 3 steps with trackio, tensorboard and 2 evals: "
           f"{time.monotonic() - t0:.0f} s")
+    return LoraRun(root, result, s3_port, mutate)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_local_run_trains_and_stops_everything(lora_run):
+    """... and reports to TRL's offline loggers (trackio, tensorboard), which write under the
+    trainer pod's work directory and never reach for the network. The prompts come from
+    Parquet (a `question` column) with a system prompt, and an eval split (Parquet too) is
+    scored after step 2 and after the last: its reward reaches both loggers and status."""
+    result, s3_port, root = lora_run.result, lora_run.s3_port, lora_run.root
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"starting a local S3 server on 127.0.0.1:{s3_port}" in result.stdout
     assert "run local-tiny finished: step 3, policy versions published: v1..v4" in result.stdout
@@ -98,8 +124,8 @@ def test_local_run_trains_and_stops_everything(tmp_path):
     assert any("tokens/s raw" in line and "tree compression" in line for line in steps), steps
     assert "reward None" not in result.stdout
     assert "mean over 3 steps:" in result.stdout and "last checkpoint:" in result.stdout
-    assert len((tmp_path / "work" / "progress.jsonl").read_text().splitlines()) == 3
-    work = tmp_path / "work"
+    assert len((root / "work" / "progress.jsonl").read_text().splitlines()) == 3
+    work = root / "work"
     # the trainer pod's work emptyDir (ASYNCGRPO_WORK_DIR) holds its status
     status = json.loads((work / "local-tiny-trainer-0" / "work" / "status.json").read_text())
     assert [p["version"] for p in status["published"]] == [1, 2, 3, 4]
@@ -132,51 +158,53 @@ def test_local_run_trains_and_stops_everything(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_finished_run_leaves_its_result_on_disk_and_a_rerun_resumes(tmp_path):
+def test_a_finished_run_leaves_its_result_on_disk_and_a_rerun_resumes(lora_run, tmp_path):
     """The local S3 keeps its objects under --workdir's parent (s3/): after the run its
     final/ is there, `asyncgrpo pull` brings it down, peft loads it and it gives the
     log-probs of the trainer's last adapter; a rerun loads the objects back and resumes
-    from the run's checkpoint, the last run's work folder kept as work.previous."""
+    from the run's checkpoint, the last run's work folder kept as work.previous.
+
+    The run is the module's (`lora_run`, which the test above reads too); the rerun goes on
+    in a copy of its s3/ and work/ folders, so that run stays as it ended."""
+    import shutil
+
     import torch
 
     from asyncgrpo.trainer.final import write_final_lora  # noqa: F401 (the module under test)
     from tests.adapters.test_final import IDS, _logprobs, _peft
 
-    if vllm_python() is None:
-        pytest.skip("vLLM venv missing: run hack/setup-vllm-venv.sh (make test does)")
-
-    def retain(d):
-        d["spec"]["adapterStore"]["deletionPolicy"] = "Retain"
-        d["spec"]["trainer"]["checkpointInterval"] = 2
-
-    result, _ = _local_run(tmp_path, mutate=retain, max_steps=2)
+    result, first = lora_run.result, lora_run.root
     assert result.returncode == 0, result.stdout + result.stderr
-    work = tmp_path / "work"
-    status = json.loads((work / "local-tiny-trainer-0" / "work" / "status.json").read_text())
+    status = json.loads((first / "work" / "local-tiny-trainer-0" / "work" / "status.json")
+                        .read_text())
     (output,) = status["outputs"]
-    assert (output["kind"], output["step"]) == ("lora", 2)
-    run_folder = tmp_path / "s3" / "asyncgrpo-local" / "asyncgrpo" / "default" / "local-tiny"
-    final = tmp_path / "s3" / output["bucket"] / output["key"]
+    assert (output["kind"], output["step"]) == ("lora", 3)
+    run_folder = first / "s3" / "asyncgrpo-local" / "asyncgrpo" / "default" / "local-tiny"
+    final = first / "s3" / output["bucket"] / output["key"]
     assert final == run_folder / "final" and (final / "manifest.json").is_file()
     manifest = json.loads((final / "manifest.json").read_text())
     assert manifest["version"] == status["policy_version"]
     pulled = tmp_path / "pulled"
-    subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "pull", str(tmp_path / "run.yaml"),
-                    "--s3-dir", str(tmp_path / "s3"), "--dest", str(pulled)], check=True,
+    subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "pull", str(first / "run.yaml"),
+                    "--s3-dir", str(first / "s3"), "--dest", str(pulled)], check=True,
                    timeout=120)
-    base = tmp_path / "demo" / "tiny-qwen3"
+    base = first / "demo" / "tiny-qwen3"
     last = run_folder / "adapters" / f"v{status['policy_version']}"
     assert torch.equal(_logprobs(_peft(base, pulled), IDS), _logprobs(_peft(base, last), IDS))
 
-    again, _ = _local_run(tmp_path, mutate=retain, max_steps=3)
+    for folder in ("s3", "work"):
+        shutil.copytree(first / folder, tmp_path / folder, symlinks=True)
+    again, _ = _local_run(tmp_path, mutate=lora_run.mutate, max_steps=4)
     assert again.returncode == 0, again.stdout + again.stderr
     print("\n".join(line for line in (result.stdout + again.stdout).splitlines()
                     if line.startswith("local S3:")))
     assert "objects (" in again.stdout and "loaded in" in again.stdout
+    work = tmp_path / "work"
     status = json.loads((work / "local-tiny-trainer-0" / "work" / "status.json").read_text())
-    assert status["resumed_from_step"] == 2 and status["step"] == 3
+    assert status["resumed_from_step"] == 3 and status["step"] == 4
     assert (work / "local-tiny-trainer-0" / "work.previous" / "status.json").is_file()
-    assert json.loads((final / "manifest.json").read_text())["step"] == 3
+    final = tmp_path / "s3" / output["bucket"] / output["key"]
+    assert json.loads((final / "manifest.json").read_text())["step"] == 4
 
 
 def _assert_the_loggers_recorded_every_step(pod: Path, steps: int, evals=()):

@@ -14,7 +14,9 @@ resolver, the `--help` of each CLI flag); this module only names them.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -173,8 +175,6 @@ IMAGE_REFERENCE_MAX = 512
 
 def image_reference_problem(ref: object) -> str | None:
     """Why `ref` is not an image a pod can be made of; None when it is one."""
-    import re
-
     if not isinstance(ref, str) or not ref:
         return f"an image reference is a non-empty string, not {type(ref).__name__} {ref!r}"[:200]
     if len(ref) > IMAGE_REFERENCE_MAX:
@@ -188,8 +188,6 @@ def image_reference_problem(ref: object) -> str | None:
 def sandbox_image_key(ref: str | None) -> str:
     """The label value of the pods of image `ref` (None: the run's own image): a digest, since a
     reference is longer than a label value may be and holds '/', ':' and '@'."""
-    import hashlib
-
     if not ref:
         return DEFAULT_SANDBOX_IMAGE_KEY
     return "i" + hashlib.sha256(ref.encode()).hexdigest()[:20]

@@ -319,11 +319,10 @@ def _within_caps(spec: SandboxSpec, plans: list[ImagePlan], demand: Demand | Non
     def waiting(ip: ImagePlan) -> int:
         d = demand.images.get(ip.key) if demand else None
         return d.waiting if d else 0
-    order = sorted(plans, key=lambda ip: (-waiting(ip), ip.key != DEFAULT_SANDBOX_IMAGE_KEY, ip.key))
-    out: dict[str, ImagePlan] = {}
-    for ip in order:
+    out: list[ImagePlan] = []
+    for ip in sorted(plans, key=lambda ip: (-waiting(ip), ip.key != DEFAULT_SANDBOX_IMAGE_KEY, ip.key)):
         n = min(ip.plan.create, room)
         room -= n
-        out[ip.key] = ImagePlan(ip.key, ip.image, Plan(n, ip.plan.delete, ip.plan.replace,
-                                                      ip.plan.live, ip.plan.target))
-    return [out[ip.key] for ip in order]
+        out.append(ImagePlan(ip.key, ip.image, Plan(n, ip.plan.delete, ip.plan.replace,
+                                                    ip.plan.live, ip.plan.target)))
+    return out
